@@ -1,0 +1,1 @@
+"""Triton kernels of dpara_rt, each beside its torch reference."""
