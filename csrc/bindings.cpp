@@ -1,20 +1,462 @@
-// All Python bindings of the core live in this one file.
+// All Python bindings of the core live in this one file. They only convert arguments (numpy arrays
+// through the buffer protocol, Python callables, DLPack capsules) and manage the GIL; the logic is in
+// csrc/src.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <mutex>
+#include <sstream>
 
 #include "dpara_rt/build_info.h"
+#include "dpara_rt/dlpack.h"
+#include "dpara_rt/lane.h"
+#include "dpara_rt/metrics.h"
+#include "dpara_rt/ring.h"
+#include "dpara_rt/round_state.h"
+#include "dpara_rt/staging.h"
 
 namespace py = pybind11;
+using namespace dpara_rt;
+
+namespace {
+
+using I64Array = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+std::string shape_str(const py::array& a) {
+  std::ostringstream os;
+  os << '(';
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  os << (a.ndim() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+std::string dims_str(std::initializer_list<py::ssize_t> dims) {
+  std::ostringstream os;
+  os << '(';
+  for (auto it = dims.begin(); it != dims.end(); ++it) os << (it == dims.begin() ? "" : ", ") << *it;
+  os << (dims.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+// Checks that `a` has exactly the shape `dims` and returns its data.
+const std::int64_t* expect_shape(const I64Array& a, std::initializer_list<py::ssize_t> dims, const char* name) {
+  bool ok = a.ndim() == py::ssize_t(dims.size());
+  for (std::size_t i = 0; ok && i < dims.size(); ++i) ok = a.shape(py::ssize_t(i)) == dims.begin()[i];
+  if (!ok) throw py::value_error(std::string(name) + " must have shape " + dims_str(dims) + ", got " + shape_str(a));
+  return a.data();
+}
+
+I64Array new_array(std::initializer_list<py::ssize_t> dims) { return I64Array(std::vector<py::ssize_t>(dims)); }
+
+// The data of a caller-owned output: a writable C-contiguous int64 numpy array of exactly `dims`.
+std::int64_t* out_data(const py::object& given, std::initializer_list<py::ssize_t> dims, const char* name) {
+  const bool is_array = py::isinstance<py::array>(given);
+  auto a = is_array ? py::reinterpret_borrow<py::array>(given) : py::array();
+  bool ok = is_array && py::array_t<std::int64_t, py::array::c_style>::check_(a) && a.writeable() &&
+            a.ndim() == py::ssize_t(dims.size());
+  for (std::size_t i = 0; ok && i < dims.size(); ++i) ok = a.shape(py::ssize_t(i)) == dims.begin()[i];
+  if (!ok)  // the message is built only on failure: this check runs on the per-round path
+    throw py::value_error(std::string(name) + " must be a writable contiguous int64 array of shape " +
+                          dims_str(dims) + ", got " +
+                          (is_array ? std::string(py::str(a.dtype())) + " " + shape_str(a)
+                                    : std::string(py::str(py::type::of(given)))));
+  return static_cast<std::int64_t*>(a.mutable_data());
+}
+
+// out_data for a [n] output, or a new array when `given` is None.
+std::pair<py::object, std::int64_t*> out_array(const py::object& given, py::ssize_t n, const char* name) {
+  if (given.is_none()) {
+    auto a = new_array({n});
+    std::int64_t* p = a.mutable_data();
+    return {std::move(a), p};
+  }
+  return {given, out_data(given, {n}, name)};
+}
+
+I64Array per_request(const RoundState& s, std::int64_t (RoundState::*get)(int) const) {
+  auto out = new_array({s.batch()});
+  for (int b = 0; b < s.batch(); ++b) out.mutable_at(b) = (s.*get)(b);
+  return out;
+}
+
+template <class T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+  return py::array_t<T>(py::ssize_t(v.size()), v.data());
+}
+
+// --- Lanes -----------------------------------------------------------------------------------------
+// A Python callable can be dropped on a lane's worker thread, which holds no GIL: take it for that.
+struct PyCallable {
+  py::object fn;
+  ~PyCallable() {
+    if (fn) {
+      py::gil_scoped_acquire gil;
+      fn = py::object();
+    }
+  }
+};
+
+Task python_task(py::function fn) {
+  auto held = std::make_shared<PyCallable>();
+  held->fn = std::move(fn);
+  // The GIL is held only while Python runs, so torch ops on two lanes overlap (torch releases it inside).
+  return [held] {
+    py::gil_scoped_acquire gil;
+    held->fn();
+  };
+}
+
+// Lanes made from Python. At exit they are drained while the interpreter still runs, so a queued Python
+// callable never tries to take the GIL of a finalizing interpreter.
+std::mutex registry_mu;
+std::vector<std::weak_ptr<Lane>>& lane_registry() {
+  static auto* lanes = new std::vector<std::weak_ptr<Lane>>();  // leaked: outlives static destruction
+  return *lanes;
+}
+
+template <class L>
+std::shared_ptr<L> python_lane(L* raw) {
+  // Destroying a lane joins its worker, which may need the GIL for a last Python callable.
+  std::shared_ptr<L> lane(raw, [](L* p) {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete p;
+    } else {
+      delete p;
+    }
+  });
+  std::lock_guard<std::mutex> lk(registry_mu);
+  auto& reg = lane_registry();
+  reg.erase(std::remove_if(reg.begin(), reg.end(), [](auto& w) { return w.expired(); }), reg.end());
+  reg.push_back(lane);
+  return lane;
+}
+
+void drain_lanes_at_exit() {
+  std::vector<std::shared_ptr<Lane>> live;
+  {
+    std::lock_guard<std::mutex> lk(registry_mu);
+    for (auto& w : lane_registry())
+      if (auto l = w.lock()) live.push_back(std::move(l));
+  }
+  py::gil_scoped_release nogil;
+  for (auto& l : live) {
+    try {
+      l->synchronize();
+    } catch (...) {  // an uncollected task error has nobody left to report to
+    }
+  }
+}
+
+// --- DLPack ----------------------------------------------------------------------------------------
+void dlpack_capsule_destructor(PyObject* capsule) {
+  // A consumer renames the capsule to "used_dltensor" and takes over the deleter; otherwise it is ours.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* m = static_cast<dlpack::DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    m->deleter(m);
+  }
+}
+
+py::object dlpack_capsule(const TensorView& v, const py::object& dl_device, const py::object& copy) {
+  if (!copy.is_none() && copy.cast<bool>())
+    throw py::buffer_error("copy=True is not supported: dpara_rt views are zero-copy");
+  if (!dl_device.is_none()) {
+    const auto want = dl_device.cast<std::pair<int, int>>();
+    const auto have = dlpack_device(v);
+    if (want.first != int(have.device_type) || want.second != have.device_id)
+      throw py::buffer_error("dl_device (" + std::to_string(want.first) + ", " + std::to_string(want.second) +
+                             ") differs from the view's device (" + std::to_string(int(have.device_type)) + ", " +
+                             std::to_string(have.device_id) + ") and copies are not supported");
+  }
+  PyObject* cap = PyCapsule_New(to_dlpack(v), "dltensor", dlpack_capsule_destructor);
+  if (!cap) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(cap);
+}
+
+// Optional arguments arrive as py::object: a None for a `T*` parameter would make pybind11 resolve the
+// call twice (about a microsecond), which matters on the per-round path.
+template <class T>
+T* optional_arg(const py::object& o) {
+  return o.is_none() ? nullptr : o.cast<T*>();
+}
+
+Event optional_event(const py::object& o) { return o.is_none() ? Event() : o.cast<Event>(); }
+
+// wait_on without holding the GIL when it has to block (the event may need a Python callable to run).
+void wait_released(const Event& e, Lane* lane) {
+  if (e.query()) return;
+  py::gil_scoped_release nogil;
+  wait_on(e, lane);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "dpara_rt scheduling core";
+  m.doc() = "dpara_rt scheduling core: lanes, events, boundary ring, staging, round state, metrics";
+
   m.def("build_info", [] {
-    auto info = dpara_rt::build_info();
+    auto info = build_info();
     py::dict d;
     d["compiler"] = info.compiler;
     d["cuda_compiled"] = info.cuda_compiled;
     d["cuda_runtime_version"] = info.cuda_runtime_version;
     d["cuda_devices"] = info.cuda_devices;
+    d["cuda_device_names"] = info.cuda_device_names;
     d["cuda_status"] = info.cuda_status;
     return d;
   });
+  m.def("now_ns", &now_ns, "Monotonic host clock (ns) shared by host events and the metrics timeline.");
+
+  py::class_<Event>(m, "Event")
+      .def(py::init<>(), "A null event: already complete.")
+      .def("query", &Event::query, py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("timestamp_ns",
+                             py::cpp_function(&Event::timestamp_ns, py::call_guard<py::gil_scoped_release>()))
+      .def_property_readonly("device", &Event::device)
+      .def_property_readonly("is_host", &Event::is_host)
+      .def_static("elapsed_ms", &Event::elapsed_ms, py::arg("start"), py::arg("end"),
+                  py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Lane, std::shared_ptr<Lane>>(m, "Lane")
+      .def("submit", [](Lane& l, py::function fn) { l.submit(python_task(std::move(fn))); }, py::arg("fn"))
+      .def("record", &Lane::record, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Lane::wait, py::arg("event"), py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &Lane::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("device", &Lane::device)
+      .def_property_readonly("stream", &Lane::stream)
+      .def_property_readonly("name", &Lane::name);
+  py::class_<HostLane, Lane, std::shared_ptr<HostLane>>(m, "HostLane")
+      .def(py::init([](std::string name) { return python_lane(new HostLane(std::move(name))); }),
+           py::arg("name") = "host")
+      .def_property_readonly("pending", &HostLane::pending);
+  py::class_<CudaLane, Lane, std::shared_ptr<CudaLane>>(m, "CudaLane")
+      .def(py::init([](int device, std::uintptr_t stream, std::string name) {
+             return python_lane(new CudaLane(device, stream, std::move(name)));
+           }),
+           py::arg("device"), py::arg("stream") = 0, py::arg("name") = "cuda")
+      .def_property_readonly("owns_stream", &CudaLane::owns_stream);
+  py::module_::import("atexit").attr("register")(py::cpp_function(&drain_lanes_at_exit));
+
+  py::class_<TensorView>(m, "TensorView", "Zero-copy view of core memory; torch.from_dlpack(view) aliases it.")
+      .def("__dlpack__",
+           [](const TensorView& v, py::object /*stream*/, py::object /*max_version*/, py::object dl_device,
+              py::object copy) { return dlpack_capsule(v, dl_device, copy); },
+           py::arg("stream") = py::none(), py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(),
+           py::arg("copy") = py::none())
+      .def("__dlpack_device__",
+           [](const TensorView& v) {
+             auto d = dlpack_device(v);
+             return py::make_tuple(int(d.device_type), d.device_id);
+           })
+      .def_property_readonly("shape", [](const TensorView& v) { return py::tuple(py::cast(v.shape)); })
+      .def_property_readonly("dtype", [](const TensorView& v) { return dtype_name(v.dtype); })
+      .def_property_readonly("device", [](const TensorView& v) { return v.device; })
+      .def_property_readonly("nbytes", &TensorView::nbytes)
+      .def_property_readonly("data_ptr", [](const TensorView& v) { return reinterpret_cast<std::uintptr_t>(v.data); });
+
+  py::class_<BoundaryRing>(m, "BoundaryRing")
+      .def(py::init([](int capacity, int batch, int d, std::int64_t vocab, const std::string& dtype, int device) {
+             return new BoundaryRing(capacity, batch, d, vocab, parse_dtype(dtype), device);
+           }),
+           py::arg("capacity"), py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("dtype") = "float32",
+           py::arg("device") = -1)
+      .def("acquire", [](BoundaryRing& ring, const py::object& lane) {
+             Event guard;
+             const int slot = ring.acquire_nowait(&guard);
+             wait_released(guard, optional_arg<Lane>(lane));
+             return slot;
+           }, py::arg("lane") = py::none())
+      .def("mark_ready", [](BoundaryRing& r, int slot, const py::object& e) { r.mark_ready(slot, optional_event(e)); },
+           py::arg("slot"), py::arg("event") = py::none())
+      .def("select",
+           [](BoundaryRing& ring, int slot, const I64Array& r, const py::object& offsets, const py::object& lane) {
+             if (r.ndim() != 1) throw py::value_error("r must be 1-D (one per request), got shape " + shape_str(r));
+             auto out = out_array(offsets, ring.batch(), "offsets");
+             const Event ready = ring.select_nowait(slot, r.data(), std::int64_t(r.shape(0)), out.second);
+             wait_released(ready, optional_arg<Lane>(lane));
+             return out.first;
+           },
+           py::arg("slot"), py::arg("r"), py::arg("offsets") = py::none(), py::arg("lane") = py::none(),
+           "ready -> consumed; returns the element offsets of ring[slot][b][r[b]] (into `offsets` when given).")
+      .def("release", [](BoundaryRing& r, int slot, const py::object& e) { r.release(slot, optional_event(e)); },
+           py::arg("slot"), py::arg("event") = py::none())
+      .def("reset", &BoundaryRing::reset, py::call_guard<py::gil_scoped_release>())
+      .def("state", [](const BoundaryRing& r, int slot) { return slot_state_name(r.state(slot)); }, py::arg("slot"))
+      .def("ready_event", &BoundaryRing::ready_event, py::arg("slot"))
+      .def("view", &BoundaryRing::view)
+      .def("slot", &BoundaryRing::slot_view, py::arg("slot"))
+      .def_property_readonly("next_slot", &BoundaryRing::next_slot)
+      .def_property_readonly("capacity", &BoundaryRing::capacity)
+      .def_property_readonly("batch", &BoundaryRing::batch)
+      .def_property_readonly("d", &BoundaryRing::d)
+      .def_property_readonly("vocab", &BoundaryRing::vocab)
+      .def_property_readonly("dtype", [](const BoundaryRing& r) { return dtype_name(r.dtype()); })
+      .def_property_readonly("device", &BoundaryRing::device)
+      .def_property_readonly("slot_elems", &BoundaryRing::slot_elems)
+      .def_property_readonly("row_elems", &BoundaryRing::row_elems)
+      .def_property_readonly("data_ptr", [](const BoundaryRing& r) { return reinterpret_cast<std::uintptr_t>(r.data()); });
+
+  py::class_<Staging>(m, "Staging")
+      .def(py::init<int, int, std::size_t, int>(), py::arg("batch"), py::arg("d"), py::arg("feature_bytes"),
+           py::arg("device") = -1)
+      .def_property_readonly("phase", &Staging::phase)
+      .def("flip", &Staging::flip)
+      .def("view", [](const Staging& s, const std::string& region, int phase) {
+             return s.view(parse_staging_region(region), phase);
+           }, py::arg("region"), py::arg("phase") = -1)
+      .def("bytes", [](const Staging& s, const std::string& region) { return s.bytes(parse_staging_region(region)); },
+           py::arg("region"))
+      .def("data_ptr", [](const Staging& s, const std::string& region, int phase) {
+             return reinterpret_cast<std::uintptr_t>(s.data(parse_staging_region(region), phase));
+           }, py::arg("region"), py::arg("phase") = -1)
+      .def("copy_in", [](Staging& s, Lane& lane, const std::string& region, std::uintptr_t src, std::size_t nbytes,
+                         int phase) {
+             s.copy_in(lane, parse_staging_region(region), reinterpret_cast<const void*>(src), nbytes, phase);
+           }, py::arg("lane"), py::arg("region"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("phase") = -1)
+      .def("copy_out", [](Staging& s, Lane& lane, const std::string& region, std::uintptr_t dst, std::size_t nbytes,
+                          int phase) {
+             s.copy_out(lane, parse_staging_region(region), reinterpret_cast<void*>(dst), nbytes, phase);
+           }, py::arg("lane"), py::arg("region"), py::arg("dst_ptr"), py::arg("nbytes"), py::arg("phase") = -1)
+      .def_property_readonly("batch", &Staging::batch)
+      .def_property_readonly("d", &Staging::d)
+      .def_property_readonly("feature_bytes", &Staging::feature_bytes)
+      .def_property_readonly("pinned", &Staging::pinned)
+      .def_property_readonly("device", &Staging::device);
+
+  m.def("greedy_accept", [](const I64Array& draft, const I64Array& target_argmax) {
+        if (draft.ndim() != 2) throw py::value_error("draft must be [batch, d], got shape " + shape_str(draft));
+        const auto batch = draft.shape(0), d = draft.shape(1);
+        const std::int64_t* p = expect_shape(target_argmax, {batch, d + 1}, "target_argmax");
+        auto r = new_array({batch}), bonus = new_array({batch});
+        greedy_accept(int(batch), int(d), draft.data(), p, r.mutable_data(), bonus.mutable_data());
+        return py::make_tuple(r, bonus);
+      }, py::arg("draft"), py::arg("target_argmax"),
+      "Greedy acceptance: (r [B], bonus [B]) from draft [B, d] and target argmax [B, d+1].");
+
+  m.def("tree_metadata", [](int d) {
+        const TreeMeta t = tree_meta(d);
+        py::dict out;
+        out["d"] = d;
+        out["rows"] = t.rows();
+        out["query_branch"] = to_array(t.query_branch);
+        out["query_pos_offset"] = to_array(t.query_pos_offset);
+        out["query_spine_limit"] = to_array(t.query_spine_limit);
+        out["key_spine"] = to_array(t.key_spine);
+        out["key_branch"] = to_array(t.key_branch);
+        return out;
+      }, py::arg("d"), "Spine+branch tree metadata: spine rows 0..d, then branch r's d rows for r = 0..d.");
+  m.def("tree_mask", [](int d) {
+        const TreeMeta t = tree_meta(d);
+        const int rows = t.rows();
+        py::array_t<bool> mask({rows, rows});
+        auto w = mask.mutable_unchecked<2>();
+        for (int q = 0; q < rows; ++q)
+          for (int k = 0; k < rows; ++k) w(q, k) = t.visible(q, k);
+        return mask;
+      }, py::arg("d"), "Dense [rows, rows] visibility among tree tokens (context keys are always visible).");
+
+  // Getters are methods (batch(), finished(b), ...); per-round results can go into caller-owned int64
+  // arrays (r, bonus, committed) so a round allocates nothing.
+  py::class_<RoundState>(m, "RoundState")
+      .def(py::init<int, int, std::int64_t, std::vector<std::int64_t>, std::int64_t>(), py::arg("batch"), py::arg("d"),
+           py::arg("max_new_tokens"), py::arg("eos_ids"), py::arg("max_len"))
+      .def("start", [](RoundState& s, const I64Array& prompt_lens, const I64Array& first_tokens,
+                       const py::object& committed) {
+             auto c = out_array(committed, s.batch(), "committed");
+             s.start(expect_shape(prompt_lens, {s.batch()}, "prompt_lens"),
+                     expect_shape(first_tokens, {s.batch()}, "first_tokens"), c.second);
+             return c.first;
+           }, py::arg("prompt_lens"), py::arg("first_tokens"), py::arg("committed") = py::none())
+      .def("set_draft", [](RoundState& s, const I64Array& draft) {
+             s.set_draft(expect_shape(draft, {s.batch(), s.d()}, "draft"));
+           }, py::arg("draft"))
+      .def("step", [](RoundState& s, const I64Array& target_argmax, int slot, const py::object& r,
+                      const py::object& bonus, const py::object& committed) {
+             auto ro = out_array(r, s.batch(), "r"), bo = out_array(bonus, s.batch(), "bonus"),
+                  co = out_array(committed, s.batch(), "committed");
+             s.step(expect_shape(target_argmax, {s.batch(), s.d() + 1}, "target_argmax"), slot, ro.second, bo.second,
+                    co.second);
+             return py::make_tuple(ro.first, bo.first, co.first);
+           }, py::arg("target_argmax"), py::arg("slot") = -1, py::arg("r") = py::none(), py::arg("bonus") = py::none(),
+           py::arg("committed") = py::none(),
+           "Fused round: greedy acceptance + commit + spine update + slot history -> (r, bonus, committed).")
+      .def("commit", [](RoundState& s, const I64Array& r, const I64Array& bonus, int slot, const py::object& committed) {
+             auto c = out_array(committed, s.batch(), "committed");
+             s.commit(expect_shape(r, {s.batch()}, "r"), expect_shape(bonus, {s.batch()}, "bonus"), slot, c.second);
+             return c.first;
+           }, py::arg("r"), py::arg("bonus"), py::arg("slot") = -1, py::arg("committed") = py::none())
+      .def("positions", [](const RoundState& s, const py::object& out) {
+             const py::ssize_t rows = s.tree().rows();
+             if (out.is_none()) {
+               auto a = new_array({s.batch(), rows});
+               s.positions(a.mutable_data());
+               return py::object(a);
+             }
+             s.positions(out_data(out, {s.batch(), rows}, "out"));
+             return out;
+           }, py::arg("out") = py::none(), "Absolute position of every tree row per request, [batch, (d+1)^2].")
+      .def("spine", [](const RoundState& s) {
+             auto out = new_array({s.batch(), s.d() + 1});
+             for (int b = 0; b < s.batch(); ++b) std::copy(s.spine(b), s.spine(b) + s.d() + 1, out.mutable_data(b, 0));
+             return out;
+           })
+      .def("output", [](const RoundState& s, int b) { return py::cast(s.output(b)); }, py::arg("b"),
+           "Tokens committed for request b so far (list of int).")
+      .def("outputs", [](const RoundState& s) {
+             py::list out;
+             for (int b = 0; b < s.batch(); ++b) out.append(py::cast(s.output(b)));
+             return out;
+           })
+      .def("slots", [](const RoundState& s, int b) { return to_array(s.slots(b)); }, py::arg("b"),
+           "Ring slot of each round request b took part in.")
+      .def("finished", [](const RoundState& s, int b) { return s.finished(b); }, py::arg("b"))
+      .def("finished", [](const RoundState& s) {
+             py::array_t<bool> out(s.batch());
+             for (int b = 0; b < s.batch(); ++b) out.mutable_at(b) = s.finished(b);
+             return out;
+           })
+      .def("reason", [](const RoundState& s, int b) { return finish_reason_name(s.reason(b)); }, py::arg("b"))
+      .def("committed_lens", [](const RoundState& s) { return per_request(s, &RoundState::committed_len); })
+      .def("prompt_lens", [](const RoundState& s) { return per_request(s, &RoundState::prompt_len); })
+      .def("target_pos", [](const RoundState& s) { return per_request(s, &RoundState::target_pos); })
+      .def("drafter_pos", [](const RoundState& s) { return per_request(s, &RoundState::drafter_pos); })
+      .def("num_running", &RoundState::num_running)
+      .def("rounds", &RoundState::rounds)
+      .def("started", &RoundState::started)
+      .def("batch", &RoundState::batch)
+      .def("d", &RoundState::d)
+      .def("max_new_tokens", &RoundState::max_new_tokens)
+      .def("max_len", &RoundState::max_len)
+      .def("eos_ids", &RoundState::eos_ids);
+
+  py::class_<Metrics>(m, "Metrics")
+      .def(py::init<int>(), py::arg("d"))
+      .def("add_event", &Metrics::add_event, py::arg("round"), py::arg("phase"), py::arg("lane"), py::arg("start_ns"),
+           py::arg("end_ns"))
+      .def("record_round", [](Metrics& mt, const I64Array& r, bool fallback) {
+             if (r.ndim() != 1) throw py::value_error("r must be 1-D (one per request), got shape " + shape_str(r));
+             mt.record_round(r.data(), std::int64_t(r.shape(0)), fallback);
+           }, py::arg("r"), py::arg("fallback") = false)
+      .def("histogram", [](const Metrics& mt) { return to_array(mt.histogram()); })
+      .def("events", [](const Metrics& mt) {
+             py::list out;
+             for (const auto& e : mt.events())
+               out.append(py::dict(py::arg("round") = e.round, py::arg("phase") = e.phase, py::arg("lane") = e.lane,
+                                   py::arg("start_ns") = e.start_ns, py::arg("end_ns") = e.end_ns));
+             return out;
+           })
+      .def("phase_totals_ns", [](const Metrics& mt) {
+             py::dict out;
+             for (const auto& [phase, ns] : mt.phase_totals()) out[py::str(phase)] = ns;
+             return out;
+           })
+      .def("chrome_trace", &Metrics::chrome_trace_json, "Chrome / Perfetto trace JSON of the timeline.")
+      .def("clear", &Metrics::clear)
+      .def_property_readonly("rounds", &Metrics::rounds)
+      .def_property_readonly("fallbacks", &Metrics::fallbacks)
+      .def_property_readonly("tau", &Metrics::tau)
+      .def_property_readonly("d", &Metrics::d);
 }

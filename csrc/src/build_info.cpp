@@ -2,15 +2,7 @@
 
 namespace dpara_rt {
 
-#ifndef DPARA_RT_WITH_CUDA
-int cuda_device_count(std::string* why) {
-  if (why) *why = "built without CUDA";
-  return 0;
-}
-int cuda_runtime_version_() { return 0; }
-#else
-int cuda_runtime_version_();
-#endif
+int cuda_runtime_version_();  // cuda_backend.cu, or no_cuda.cpp in a build without CUDA
 
 BuildInfo build_info() {
   BuildInfo info;
@@ -20,6 +12,7 @@ BuildInfo build_info() {
 #endif
   info.cuda_runtime_version = cuda_runtime_version_();
   info.cuda_devices = cuda_device_count(&info.cuda_status);
+  info.cuda_device_names = cuda_device_names();
   return info;
 }
 

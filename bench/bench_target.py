@@ -1,0 +1,84 @@
+"""CPU timings of the target: one decode step, a verify over 8 tokens, and prefill, at several batch sizes.
+
+t_verify8 / t_step bounds what speculation can gain: a round that commits tau tokens costs about
+t_verify8 where autoregressive decoding would spend tau * t_step.
+
+    python bench/bench_target.py --out bench_target.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from dpara_rt.models.target import Target
+
+BENCH_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1_000_000.0,
+                    max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def random_model(seed: int) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM(Qwen3Config(**BENCH_CONFIG))
+    model.init_weights(std=0.05, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_batch(model, batch: int, prompt_len: int, verify_len: int, layer_ids, reps: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    V = model.config.vocab_size
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=g).tolist()
+    target = Target(model, batch, prompt_len + 2 * verify_len, layer_ids)
+    t_prefill = median_ms(lambda: target.start(prompts), reps)
+    target.start(prompts)
+    # verify leaves lengths unchanged, so every repetition sees the same context.
+    step = torch.randint(0, V, (batch, 1), generator=g)
+    block = torch.randint(0, V, (batch, verify_len), generator=g)
+    t_step = median_ms(lambda: target.verify(step), reps)
+    t_verify = median_ms(lambda: target.verify(block), reps)
+    return {"batch": batch, "t_step_ms": t_step, "t_verify8_ms": t_verify, "t_prefill_ms": t_prefill,
+            "verify_over_step": t_verify / t_step}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file for the records")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--verify-len", type=int, default=8, help="tokens per verify block (d + 1)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = random_model(0)
+    layer_ids = [1, 2]  # feature capture on, as in speculation
+    records = [bench_batch(model, b, args.prompt_len, args.verify_len, layer_ids, args.reps) for b in args.batches]
+    meta = {"config": BENCH_CONFIG, "prompt_len": args.prompt_len, "verify_len": args.verify_len,
+            "layer_ids": layer_ids, "threads": args.threads, "reps": args.reps, "dtype": "float32",
+            "device": "cpu", "torch": torch.__version__}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "records": [{**r, **{"config": BENCH_CONFIG}} for r in records]}, f, indent=2)
+    print(f"target bench: {json.dumps(BENCH_CONFIG)}; prompt {args.prompt_len}, threads {args.threads}")
+    print(f"{'batch':>5} {'t_step_ms':>10} {'t_verify8_ms':>13} {'t_prefill_ms':>13} {'verify/step':>12}")
+    for r in records:
+        print(f"{r['batch']:>5} {r['t_step_ms']:>10.3f} {r['t_verify8_ms']:>13.3f} {r['t_prefill_ms']:>13.3f} "
+              f"{r['verify_over_step']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+#pragma once
+// Lanes: ordered queues of work. A HostLane is a worker thread with a FIFO queue; a CudaLane is a CUDA
+// stream on one device plus a host worker for callables that launch work on it. Work on one lane runs in
+// submission order; wait(event) orders a lane after a point of another lane.
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "dpara_rt/event.h"
+
+namespace dpara_rt {
+
+using Task = std::function<void()>;
+
+class Lane {
+ public:
+  explicit Lane(std::string name) : name_(std::move(name)) {}
+  virtual ~Lane() = default;
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+
+  // Queue a callable. An exception it throws is captured and rethrown by the next record()/synchronize()
+  // on the caller's thread; the lane keeps running later tasks.
+  virtual void submit(Task fn) = 0;
+  // An event that completes once everything submitted before it has run.
+  virtual Event record() = 0;
+  // Work queued after this call starts only once `e` has completed (e may come from any lane).
+  virtual void wait(const Event& e) = 0;
+  // Block until everything queued so far has run, then rethrow a captured exception, if any.
+  virtual void synchronize() = 0;
+  // Asynchronous copy of `bytes` bytes in lane order (a memcpy task on the host, cudaMemcpyAsync on CUDA).
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual int device() const = 0;  // -1 for the host
+  virtual std::uintptr_t stream() const { return 0; }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+};
+
+// Order later work after `e`: on `lane` when given (non-blocking), else by blocking the calling thread.
+void wait_on(const Event& e, Lane* lane);
+
+class HostLane final : public Lane {
+ public:
+  explicit HostLane(std::string name = "host");
+  ~HostLane() override;  // runs what is still queued, then joins the worker
+
+  void submit(Task fn) override;
+  Event record() override;
+  void wait(const Event& e) override;
+  void synchronize() override;
+  void copy_async(void* dst, const void* src, std::size_t bytes) override;
+  int device() const override { return -1; }
+
+  // Run `fn` in lane order: right now on the caller's thread when the lane is idle (no queued or running
+  // task; cheap, no thread hop), otherwise as a queued task. Errors of an inline run reach the caller.
+  void run_in_order(Task fn);
+  // Rethrow (and clear) an exception captured from a task.
+  void rethrow_captured();
+  std::size_t pending() const;  // queued + running tasks
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+  void loop();
+};
+
+class CudaLane final : public Lane {
+ public:
+  // Adopt `stream` (a cudaStream_t as an integer, e.g. torch.cuda.Stream().cuda_stream) or, when it is 0,
+  // create a non-blocking stream owned by the lane. Throws std::runtime_error naming the device and the
+  // CUDA status when the device does not exist or the build has no CUDA.
+  explicit CudaLane(int device, std::uintptr_t stream = 0, std::string name = "cuda");
+  ~CudaLane() override;
+
+  void submit(Task fn) override;  // runs on the lane's host worker
+  Event record() override;        // cudaEventRecord, in lane order
+  void wait(const Event& e) override;
+  void synchronize() override;    // drains the host worker, then cudaStreamSynchronize
+  void copy_async(void* dst, const void* src, std::size_t bytes) override;
+  int device() const override;
+  std::uintptr_t stream() const override;
+  bool owns_stream() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dpara_rt

@@ -1,0 +1,61 @@
+#pragma once
+// Staging: the small cross-device messages of a round in pinned host memory (cudaHostAlloc with CUDA,
+// 64-byte aligned host memory on the CPU backend), double-buffered: while a lane copies into one phase,
+// the host reads the other; flip() swaps them. Regions per phase:
+//   rb       int32 [batch, 2]   (r, bonus) per request
+//   draft    int32 [batch, d]   draft tokens
+//   features uint8 [feature_bytes]  accepted-token features, in whatever layout the caller uses
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dpara_rt/lane.h"
+#include "dpara_rt/memory.h"
+
+namespace dpara_rt {
+
+enum class StagingRegion : std::uint8_t { rb, draft, features };
+// "rb" | "draft" | "features"; anything else -> std::invalid_argument naming it.
+StagingRegion parse_staging_region(const std::string& name);
+const char* staging_region_name(StagingRegion r);
+
+class Staging {
+ public:
+  static constexpr int kPhases = 2;
+  // device >= 0: page-locked memory through cudaHostAlloc for transfers with that CUDA device;
+  // device -1: plain aligned host memory (CPU backend).
+  Staging(int batch, int d, std::size_t feature_bytes, int device = -1);
+
+  int phase() const { return phase_; }
+  int flip() { return phase_ = 1 - phase_; }  // returns the new current phase
+
+  // phase -1 means the current phase; otherwise 0 or 1 (std::invalid_argument naming it).
+  void* data(StagingRegion region, int phase = -1) const;
+  std::size_t bytes(StagingRegion region) const;
+  TensorView view(StagingRegion region, int phase = -1) const;
+
+  // Copy `bytes` bytes from `src` into the region (copy_in) or from the region to `dst` (copy_out) in
+  // `lane`'s order; src/dst may be device memory on a CudaLane. bytes must fit in the region.
+  void copy_in(Lane& lane, StagingRegion region, const void* src, std::size_t bytes, int phase = -1);
+  void copy_out(Lane& lane, StagingRegion region, void* dst, std::size_t bytes, int phase = -1);
+
+  int batch() const { return batch_; }
+  int d() const { return d_; }
+  std::size_t feature_bytes() const { return feature_bytes_; }
+  bool pinned() const { return buf_->kind() == MemoryKind::host_pinned; }
+  int device() const { return device_; }
+
+ private:
+  int resolve_phase(int phase) const;
+  void check_fits(StagingRegion region, std::size_t bytes) const;
+  int batch_, d_;
+  std::size_t feature_bytes_;
+  int device_;
+  std::size_t offset_[3] = {0, 0, 0};  // region offsets inside one phase
+  std::size_t phase_bytes_ = 0;
+  int phase_ = 0;
+  std::shared_ptr<Buffer> buf_;
+};
+
+}  // namespace dpara_rt

@@ -1,0 +1,130 @@
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "dpara_rt/lane.h"
+
+namespace dpara_rt {
+
+void wait_on(const Event& e, Lane* lane) {
+  if (e.query()) return;
+  if (lane) lane->wait(e);
+  else e.synchronize();
+}
+
+struct HostLane::State {
+  mutable std::mutex mu;
+  std::condition_variable work_cv, idle_cv;
+  std::deque<Task> queue;
+  bool busy = false;  // a task is running on the worker
+  bool stop = false;
+  std::exception_ptr error;  // first uncollected task exception
+  std::thread worker;
+};
+
+HostLane::HostLane(std::string name) : Lane(std::move(name)), s_(std::make_unique<State>()) {
+  s_->worker = std::thread([this] { loop(); });
+}
+
+HostLane::~HostLane() {
+  {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    s_->stop = true;
+  }
+  s_->work_cv.notify_all();
+  s_->worker.join();
+}
+
+void HostLane::loop() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lk(s_->mu);
+      s_->work_cv.wait(lk, [&] { return s_->stop || !s_->queue.empty(); });
+      if (s_->queue.empty()) return;  // stop requested and everything queued has run
+      task = std::move(s_->queue.front());
+      s_->queue.pop_front();
+      s_->busy = true;
+    }
+    std::exception_ptr err;
+    try {
+      task();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    // Destroy the callable (and a dropped exception) outside the lock: either may need other locks
+    // (a Python callable takes the GIL to release its references).
+    task = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(s_->mu);
+      s_->busy = false;
+      if (err && !s_->error) s_->error = std::move(err);
+      if (s_->queue.empty()) s_->idle_cv.notify_all();
+    }
+  }
+}
+
+void HostLane::submit(Task fn) {
+  {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    s_->queue.push_back(std::move(fn));
+  }
+  s_->work_cv.notify_one();
+}
+
+void HostLane::run_in_order(Task fn) {
+  std::unique_lock<std::mutex> lk(s_->mu);
+  if (!s_->busy && s_->queue.empty()) {
+    // Holding the lock keeps the worker from starting anything queued meanwhile, so order is kept.
+    fn();
+    return;
+  }
+  s_->queue.push_back(std::move(fn));
+  lk.unlock();
+  s_->work_cv.notify_one();
+}
+
+void HostLane::rethrow_captured() {
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    err = std::move(s_->error);
+    s_->error = nullptr;
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+Event HostLane::record() {
+  rethrow_captured();
+  auto ev = std::make_shared<HostEventImpl>();
+  run_in_order([ev] { ev->complete(); });
+  return Event(ev);
+}
+
+void HostLane::wait(const Event& e) {
+  if (e.query()) return;  // already complete: nothing to order against
+  submit([e] { e.synchronize(); });
+}
+
+void HostLane::synchronize() {
+  {
+    std::unique_lock<std::mutex> lk(s_->mu);
+    s_->idle_cv.wait(lk, [&] { return !s_->busy && s_->queue.empty(); });
+  }
+  rethrow_captured();
+}
+
+void HostLane::copy_async(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  submit([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+}
+
+std::size_t HostLane::pending() const {
+  std::lock_guard<std::mutex> lk(s_->mu);
+  return s_->queue.size() + (s_->busy ? 1 : 0);
+}
+
+}  // namespace dpara_rt

@@ -1,0 +1,98 @@
+#include "dpara_rt/memory.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "cuda_internal.h"
+#include "dpara_rt/dlpack.h"
+#include "util.h"
+
+namespace dpara_rt {
+
+Buffer::Buffer(MemoryKind kind, std::size_t bytes, int device)
+    : bytes_(bytes), kind_(kind), device_(kind == MemoryKind::device ? device : -1) {
+  // Never hand out a null pointer, even for an empty block: DLPack consumers reject null data.
+  const std::size_t n = detail::align_up(bytes ? bytes : 1, kAlignment);
+  switch (kind) {
+    case MemoryKind::host:
+      data_ = std::aligned_alloc(kAlignment, n);
+      if (!data_) throw std::bad_alloc();
+      std::memset(data_, 0, n);
+      break;
+    case MemoryKind::host_pinned:
+      data_ = detail::cuda_host_alloc(n);
+      std::memset(data_, 0, n);
+      break;
+    case MemoryKind::device:
+      data_ = detail::cuda_malloc(n, device);
+      detail::cuda_memset_zero(data_, n, device);
+      break;
+  }
+}
+
+Buffer::~Buffer() {
+  switch (kind_) {
+    case MemoryKind::host: std::free(data_); break;
+    case MemoryKind::host_pinned: detail::cuda_host_free(data_); break;
+    case MemoryKind::device: detail::cuda_free(data_, device_); break;
+  }
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (auto s : shape) n *= s;
+  return n;
+}
+
+namespace {
+
+struct ManagerCtx {
+  std::shared_ptr<Buffer> owner;
+  std::vector<std::int64_t> shape, strides;
+};
+
+dlpack::DLDataType dl_dtype(DType t) {
+  const auto bits = std::uint8_t(dtype_size(t) * 8);
+  switch (t) {
+    case DType::float32: case DType::float16: return {dlpack::kDLFloat, bits, 1};
+    case DType::bfloat16: return {dlpack::kDLBfloat, bits, 1};
+    case DType::int32: case DType::int64: return {dlpack::kDLInt, bits, 1};
+    case DType::uint8: return {dlpack::kDLUInt, bits, 1};
+  }
+  return {dlpack::kDLUInt, 8, 1};
+}
+
+}  // namespace
+
+dlpack::DLDevice dlpack_device(const TensorView& v) {
+  // Pinned host memory is ordinary CPU memory to a consumer such as torch.
+  if (v.device >= 0) return {dlpack::kDLCUDA, v.device};
+  return {dlpack::kDLCPU, 0};
+}
+
+dlpack::DLManagedTensor* to_dlpack(const TensorView& v) {
+  // Explicit row-major strides: some consumers reject the legacy "null strides" shorthand.
+  auto* ctx = new ManagerCtx{v.owner, v.shape, std::vector<std::int64_t>(v.shape.size())};
+  std::int64_t stride = 1;
+  for (std::size_t i = v.shape.size(); i-- > 0;) {
+    ctx->strides[i] = stride;
+    stride *= v.shape[i];
+  }
+  auto* m = new dlpack::DLManagedTensor{};
+  m->dl_tensor.data = v.data;
+  m->dl_tensor.device = dlpack_device(v);
+  m->dl_tensor.ndim = std::int32_t(ctx->shape.size());
+  m->dl_tensor.dtype = dl_dtype(v.dtype);
+  m->dl_tensor.shape = ctx->shape.data();
+  m->dl_tensor.strides = ctx->strides.data();
+  m->dl_tensor.byte_offset = 0;
+  m->manager_ctx = ctx;
+  m->deleter = [](dlpack::DLManagedTensor* self) {
+    delete static_cast<ManagerCtx*>(self->manager_ctx);
+    delete self;
+  };
+  return m;
+}
+
+}  // namespace dpara_rt

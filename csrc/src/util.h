@@ -1,0 +1,29 @@
+#pragma once
+// Private helpers for the core's sources: message formatting and argument checks.
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace dpara_rt::detail {
+
+template <class... Args>
+std::string cat(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << std::forward<Args>(args));
+  return os.str();
+}
+
+// std::invalid_argument becomes ValueError in Python, std::runtime_error becomes RuntimeError.
+template <class... Args>
+[[noreturn]] void value_error(Args&&... args) {
+  throw std::invalid_argument(cat(std::forward<Args>(args)...));
+}
+template <class... Args>
+[[noreturn]] void runtime_error(Args&&... args) {
+  throw std::runtime_error(cat(std::forward<Args>(args)...));
+}
+
+inline std::size_t align_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+}  // namespace dpara_rt::detail

@@ -1,0 +1,129 @@
+// Boundary ring state machine and staging buffers, without Python.
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "dpara_rt/ring.h"
+#include "dpara_rt/staging.h"
+
+using namespace dpara_rt;
+using namespace std::chrono_literals;
+
+static void test_ring_cycle_and_refusal() {
+  BoundaryRing ring(2, 3, 4, 5, DType::float32);
+  CHECK(ring.view().shape == (std::vector<std::int64_t>{2, 3, 5, 4, 5}));
+  CHECK(ring.slot_view(1).shape == (std::vector<std::int64_t>{3, 5, 4, 5}));
+  CHECK(ring.slot_elems() == 3 * 5 * 4 * 5);
+  const int s0 = ring.acquire(), s1 = ring.acquire();
+  CHECK(s0 == 0 && s1 == 1);
+  CHECK(ring.state(0) == SlotState::filling);
+  // Slot 0 is filling: the ring is full and must refuse, naming slot and state.
+  CHECK_THROWS(ring.acquire(), std::runtime_error, "slot 0 is filling, not free");
+  ring.mark_ready(0);
+  CHECK_THROWS(ring.acquire(), std::runtime_error, "slot 0 is ready, not free: it has not been consumed");
+  std::vector<std::int64_t> r{0, 4, 2}, off(3);
+  ring.select(0, r.data(), 3, off.data());
+  CHECK(ring.state(0) == SlotState::consumed);
+  CHECK_THROWS(ring.acquire(), std::runtime_error, "slot 0 is consumed, not free");
+  // Offsets are ring[0][b][r_b] in elements from the ring start.
+  const std::int64_t per_request = 5 * 4 * 5, row = 4 * 5;
+  CHECK(off[0] == 0 && off[1] == per_request + 4 * row && off[2] == 2 * per_request + 2 * row);
+  ring.release(0);
+  CHECK(ring.acquire() == 0);  // round-robin wraps
+  CHECK(ring.next_slot() == 1);
+}
+
+static void test_ring_illegal_transitions() {
+  BoundaryRing ring(3, 1, 2, 8, DType::bfloat16);
+  std::vector<std::int64_t> r{1}, off(1);
+  CHECK_THROWS(ring.mark_ready(0), std::runtime_error, "cannot mark slot 0 ready: it is free, expected filling");
+  CHECK_THROWS(ring.select(0, r.data(), 1, off.data()), std::runtime_error, "it is free, expected ready");
+  CHECK_THROWS(ring.release(0), std::runtime_error, "cannot release slot 0: it is free, expected consumed");
+  ring.acquire();
+  CHECK_THROWS(ring.select(0, r.data(), 1, off.data()), std::runtime_error, "it is filling, expected ready");
+  ring.mark_ready(0);
+  CHECK_THROWS(ring.mark_ready(0), std::runtime_error, "it is ready, expected filling");
+  std::vector<std::int64_t> bad{3};
+  CHECK_THROWS(ring.select(0, bad.data(), 1, off.data()), std::invalid_argument, "r[0] = 3 out of range");
+  CHECK(ring.state(0) == SlotState::ready);  // a rejected select changes nothing
+  CHECK_THROWS(ring.select(0, r.data(), 2, off.data()), std::invalid_argument, "got 2 values for batch 1");
+  CHECK_THROWS(ring.state(3), std::invalid_argument, "slot 3 out of range");
+  CHECK_THROWS(ring.mark_ready(-1), std::invalid_argument, "slot -1 out of range");
+  ring.reset();
+  CHECK(ring.state(0) == SlotState::free && ring.next_slot() == 0);
+}
+
+static void test_ring_bad_arguments() {
+  CHECK_THROWS(BoundaryRing(0, 1, 1, 1, DType::float32), std::invalid_argument, "capacity must be >= 1, got 0");
+  CHECK_THROWS(BoundaryRing(1, 0, 1, 1, DType::float32), std::invalid_argument, "batch must be >= 1, got 0");
+  CHECK_THROWS(BoundaryRing(1, 1, 0, 1, DType::float32), std::invalid_argument, "got 0");
+  CHECK_THROWS(BoundaryRing(1, 1, 33, 1, DType::float32), std::invalid_argument, "got 33");
+  CHECK_THROWS(BoundaryRing(1, 1, 1, 1, DType::int32), std::invalid_argument, "'int32'");
+  CHECK_THROWS(BoundaryRing(1, 1, 1, 1, DType::float32, 0), std::runtime_error, "CUDA device 0");
+}
+
+static void test_ring_events_guard_slots() {
+  BoundaryRing ring(1, 1, 1, 4, DType::float16);
+  HostLane producer, consumer;
+  std::atomic<bool> written{false}, read_done{false};
+  const int slot = ring.acquire(&producer);
+  producer.submit([&] {
+    std::this_thread::sleep_for(20ms);
+    written = true;
+  });
+  ring.mark_ready(slot, producer.record());
+  std::vector<std::int64_t> r{1}, off(1);
+  ring.select(slot, r.data(), 1, off.data());  // waits on the host for the ready event
+  CHECK(written.load());
+  consumer.submit([&] {
+    std::this_thread::sleep_for(20ms);
+    read_done = true;
+  });
+  ring.release(slot, consumer.record());
+  bool refilled_after_read = false;
+  CHECK(ring.acquire(&producer) == slot);  // the producer lane waits for the consumer's release event
+  producer.submit([&] { refilled_after_read = read_done.load(); });
+  producer.synchronize();
+  CHECK(refilled_after_read);
+}
+
+static void test_staging() {
+  Staging st(4, 3, 100);
+  CHECK(st.bytes(StagingRegion::rb) == 4 * 2 * 4);
+  CHECK(st.bytes(StagingRegion::draft) == 4 * 3 * 4);
+  CHECK(st.bytes(StagingRegion::features) == 100);
+  for (auto region : {StagingRegion::rb, StagingRegion::draft, StagingRegion::features})
+    for (int phase : {0, 1}) CHECK(reinterpret_cast<std::uintptr_t>(st.data(region, phase)) % 64 == 0);
+  CHECK(st.data(StagingRegion::draft, 0) != st.data(StagingRegion::draft, 1));
+  CHECK(st.view(StagingRegion::draft).shape == (std::vector<std::int64_t>{4, 3}));
+  CHECK(st.view(StagingRegion::features).dtype == DType::uint8);
+  HostLane lane;
+  std::vector<std::int32_t> rb{1, 10, 2, 20, 0, 30, 3, 40}, back(8, -1);
+  CHECK(st.phase() == 0);
+  st.copy_in(lane, StagingRegion::rb, rb.data(), rb.size() * 4);
+  lane.synchronize();
+  const auto* p0 = static_cast<const std::int32_t*>(st.data(StagingRegion::rb, 0));
+  CHECK(p0[3] == 20 && p0[7] == 40);
+  CHECK(st.flip() == 1);
+  CHECK(static_cast<const std::int32_t*>(st.data(StagingRegion::rb))[3] == 0);  // phase 1 untouched
+  st.copy_out(lane, StagingRegion::rb, back.data(), back.size() * 4, 0);
+  lane.synchronize();
+  CHECK(back == rb);
+  CHECK_THROWS(st.copy_in(lane, StagingRegion::rb, rb.data(), 33), std::invalid_argument, "33 bytes");
+  CHECK_THROWS(st.data(StagingRegion::rb, 2), std::invalid_argument, "got 2");
+  CHECK_THROWS(parse_staging_region("logits"), std::invalid_argument, "'logits'");
+  CHECK_THROWS(Staging(0, 1, 0), std::invalid_argument, "batch must be >= 1, got 0");
+  CHECK_THROWS(Staging(1, 1, 0, 0), std::runtime_error, "CUDA device 0");
+}
+
+int main() {
+  test_ring_cycle_and_refusal();
+  test_ring_illegal_transitions();
+  test_ring_bad_arguments();
+  test_ring_events_guard_slots();
+  test_staging();
+  return check::finish("test_ring_staging");
+}

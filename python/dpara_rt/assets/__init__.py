@@ -1,0 +1,92 @@
+"""The embedded "tiny" model pair (tokenizer, target, drafter) and its manifest.
+
+``tiny/manifest.json`` lists every file with its sha256; :func:`load_tiny` checks them all before
+loading anything, so a missing or damaged file gives one clear line naming it. The pair is made by
+``dpara-rt train --preset tiny`` (:func:`dpara_rt.train.preset_tiny.run_tiny_preset`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+TINY_DIR = Path(__file__).resolve().parent / "tiny"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "dpara_rt.tiny/1"
+REGENERATE_HINT = "regenerate it with `dpara-rt train --preset tiny`"
+
+
+class AssetError(ValueError):
+    """An embedded model file that is missing, damaged or not listed as expected; the message names it."""
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_files(root: str | os.PathLike, relpaths) -> dict[str, dict]:
+    """{relpath: {"sha256", "bytes"}} for the manifest, in sorted order."""
+    root = Path(root)
+    return {rel: {"sha256": file_sha256(root / rel), "bytes": (root / rel).stat().st_size} for rel in sorted(relpaths)}
+
+
+def read_manifest(root: str | os.PathLike = TINY_DIR) -> dict:
+    path = Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        raise AssetError(f"embedded model manifest {path} is missing; {REGENERATE_HINT}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AssetError(f"embedded model manifest {path} is not valid JSON ({e}); {REGENERATE_HINT}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
+            or not isinstance(manifest.get("files"), dict):
+        raise AssetError(f"embedded model manifest {path} is not a {MANIFEST_FORMAT!r} manifest with a 'files' "
+                         f"table; {REGENERATE_HINT}")
+    return manifest
+
+
+def verify_assets(root: str | os.PathLike = TINY_DIR) -> dict:
+    """Check every file the manifest lists against its sha256; return the manifest."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    for rel, entry in manifest["files"].items():
+        path = root / rel
+        if not path.is_file():
+            raise AssetError(f"embedded model file {path} is missing; {REGENERATE_HINT}")
+        digest = file_sha256(path)
+        if digest != entry.get("sha256"):
+            raise AssetError(f"embedded model file {path} is damaged: sha256 {digest[:16]}... differs from the "
+                             f"manifest's {str(entry.get('sha256'))[:16]}...; {REGENERATE_HINT}")
+    return manifest
+
+
+def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = None):
+    """Verify and load the embedded pair -> (CodeTokenizer, Qwen3ForCausalLM target, Drafter), in eval mode.
+
+    The weights are stored in bf16; ``dtype`` is what they are computed in (fp32 by default)."""
+    from dpara_rt.models.drafter import load_drafter
+    from dpara_rt.models.loader import load_qwen3
+    from dpara_rt.train.tokenizer import CodeTokenizer
+
+    root = TINY_DIR if root is None else Path(root)
+    manifest = verify_assets(root)
+    layout = manifest.get("layout", {})
+    try:
+        tokenizer = CodeTokenizer.from_file(root / layout["tokenizer"])
+        target = load_qwen3(root / layout["target"], dtype=dtype, device=device)
+        drafter = load_drafter(root / layout["drafter"], target)
+    except KeyError as e:
+        raise AssetError(f"embedded model manifest in {root} has no layout entry {e}; {REGENERATE_HINT}") from None
+    if tokenizer.vocab_size != target.config.vocab_size:
+        raise AssetError(f"embedded tokenizer has vocab {tokenizer.vocab_size} but the target has "
+                         f"{target.config.vocab_size}; {REGENERATE_HINT}")
+    return tokenizer, target, drafter.eval()
+
+
+__all__ = ["AssetError", "MANIFEST_NAME", "TINY_DIR", "describe_files", "file_sha256", "load_tiny", "read_manifest",
+           "verify_assets"]

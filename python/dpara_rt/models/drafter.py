@@ -1,0 +1,531 @@
+"""The drafter: a DFlash backbone with KV injection plus a DSpark Markov head (DESIGN.md §1).
+
+Rows fed to the backbone are token ids, with ``MASK_ID`` (-1) standing for the learned mask embedding.
+Context rows are the fused target features of committed tokens; row p sits at absolute position p.
+Their per-layer K/V (after k-norm and RoPE) live in a :class:`ContextCache` that only ever grows by
+the accepted tokens' features or is cropped on rollback, so the context is never recomputed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
+from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from dpara_rt.ops import MAX_DRAFT, tree_attention
+
+MASK_ID = -1
+CONFIG_NAME = "drafter_config.json"
+WEIGHTS_NAME = "drafter.safetensors"
+_FORMAT = "dpara_rt.drafter"
+
+
+class DrafterWarning(UserWarning):
+    """Drafting outside what the drafter was trained for (still runs, with lower tau)."""
+
+
+def default_layer_ids(num_target_layers: int, k: int) -> list[int]:
+    """k target layers spread evenly from layer 1 to layer L-3 (36 layers, k=5 -> 1, 9, 17, 25, 33)."""
+    if not 1 <= k <= num_target_layers:
+        raise ValueError(f"cannot pick k={k} feature layers from a {num_target_layers}-layer target; "
+                         f"expected 1 <= k <= {num_target_layers}")
+    start, end = 1, num_target_layers - 3
+    if end - start < k - 1:  # shallow targets: spread over every layer instead
+        start, end = 0, num_target_layers - 1
+    if k == 1:
+        return [(start + end) // 2]
+    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+@dataclass
+class DrafterConfig:
+    layer_ids: list[int]
+    target_hidden_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    block_size: int
+    markov_rank: int
+
+    def __post_init__(self):
+        self.layer_ids = [int(i) for i in self.layer_ids]
+        if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
+            raise ValueError(f"layer_ids={self.layer_ids}: expected distinct non-negative target layer indices")
+        for name in ("target_hidden_size", "hidden_size", "num_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "block_size",
+                     "markov_rank"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.layer_ids) * self.target_hidden_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - names), sorted(names - set(d))
+        if unknown or missing:
+            raise ValueError(f"drafter config: unknown keys {unknown}, missing keys {missing}")
+        return cls(**d)
+
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = 1, num_feature_layers: int = 5, block_size: int = 7,
+                   markov_rank: int = 256, layer_ids: Sequence[int] | None = None) -> "DrafterConfig":
+        """A drafter shaped like one of the target's decoder layers (what DFlash/DSpark do); feature layers
+        ``layer_ids`` or ``num_feature_layers`` spread evenly over the target's depth."""
+        t = target_config
+        if layer_ids is None:
+            layer_ids = default_layer_ids(t.num_hidden_layers, min(num_feature_layers, t.num_hidden_layers))
+        return cls(layer_ids=list(layer_ids), target_hidden_size=t.hidden_size,
+                   hidden_size=t.hidden_size, num_layers=num_layers, num_attention_heads=t.num_attention_heads,
+                   num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                   intermediate_size=t.intermediate_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+                   vocab_size=t.vocab_size, block_size=block_size, markov_rank=markov_rank)
+
+
+# ---------------------------------------------------------------- layouts (shared by runtime and training)
+@lru_cache(maxsize=64)
+def serial_layout(d: int, prefix_len: int = 0) -> tuple[Tensor, Tensor]:
+    """Layout (a): ``prefix_len`` feature-less tokens (causal), then the block ``[anchor, MASK x (d-1)]``.
+
+    Returns position offsets (relative to the cache length) [P+d] and visibility [P+d, P+d]
+    (row attends to column). Block rows see the whole prefix and the block bidirectionally.
+    """
+    q = prefix_len + d
+    visible = torch.ones(q, q, dtype=torch.bool).tril_()
+    visible[prefix_len:, prefix_len:] = True
+    return torch.arange(q), visible
+
+
+def tree_layout(d: int) -> tuple[Tensor, Tensor]:
+    """Layout (b): spine s_0..s_d then branch r = 0..d (d rows each); offsets [Q] and visibility [Q, Q]
+    (the tree attention kernel's own definition, cached there: do not modify).
+
+    Spine i sits at offset i and sees spine 0..i; branch r row j sits at offset r+1+j (its first row
+    stands where the unknown bonus will be) and sees spine 0..r plus all of branch r.
+    """
+    return _tree_offsets(d), tree_mask(d)
+
+
+@lru_cache(maxsize=64)
+def _tree_offsets(d: int) -> Tensor:
+    return tree_position_offsets(d)
+
+
+# ---------------------------------------------------------------- modules
+class _Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim))
+        return apply_rope(q, cos, sin).transpose(1, 2)
+
+    def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def mlp(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class ContextCache:
+    """Per-layer K/V of the injected context: k, v [layers, B, kv_heads, max_len, head_dim]; lengths [B] (cpu)."""
+    k: Tensor
+    v: Tensor
+    lengths: Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer i's K/V trimmed to the longest row (what attention needs)."""
+        n = int(self.lengths.max()) if self.lengths.numel() else 0
+        return self.k[i, :, :, :n], self.v[i, :, :, :n]
+
+
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def dense_attend(ctx_visible: Tensor, block_visible: Tensor, scale: float) -> Attend:
+    """Attention over cat(context, block) with an explicit mask (ctx_visible [B,Q,Lc], block_visible [B|1,Q,Q])."""
+    b = ctx_visible.shape[0]
+    mask = torch.cat([ctx_visible, block_visible.expand(b, -1, -1)], dim=-1)[:, None]
+
+    def attend(q, k_ctx, v_ctx, k_blk, v_blk):
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return attend
+
+
+class Drafter(nn.Module):
+    """DFlash backbone + DSpark Markov head. ``embed_tokens`` and ``lm_head`` are the target's, frozen,
+    held by reference (not submodules: not in ``parameters()`` nor ``state_dict()``)."""
+
+    def __init__(self, config: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        c = config
+        if tuple(embed_tokens.weight.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"embed_tokens has shape {tuple(embed_tokens.weight.shape)}; the drafter config "
+                             f"expects (vocab_size, hidden_size) = ({c.vocab_size}, {c.hidden_size})")
+        if tuple(lm_head.weight.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"lm_head has weight shape {tuple(lm_head.weight.shape)}; the drafter config "
+                             f"expects (vocab_size, hidden_size) = ({c.vocab_size}, {c.hidden_size})")
+        self.config = c
+        self._shared = (embed_tokens, lm_head)  # a tuple keeps them out of the module tree
+        self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
+        self.w1 = nn.Parameter(torch.empty(c.vocab_size, c.markov_rank))
+        self.w2 = nn.Parameter(torch.empty(c.markov_rank, c.vocab_size))
+        # RoPE frequencies stay fp32 whatever the weights' dtype; one copy per device
+        self._inv_freq = {torch.device("cpu"): rope_inv_freq(c.head_dim, c.rope_theta)}
+        self.scale = c.head_dim ** -0.5
+        self._warned_d: set[int] = set()
+        self.reset_parameters()
+        w = embed_tokens.weight
+        self.to(device=w.device, dtype=w.dtype)
+
+    def reset_parameters(self):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+        with torch.no_grad():
+            self.mask_embedding.normal_(std=float(self.embed_tokens.weight.float().std()))
+            nn.init.normal_(self.w1, std=0.02)
+            nn.init.zeros_(self.w2)  # the Markov bias starts at zero: plain backbone logits
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._shared[1]
+
+    @property
+    def markov_parameters(self) -> tuple[nn.Parameter, nn.Parameter]:
+        return self.w1, self.w2
+
+    # ------------------------------------------------------------ building blocks
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        dev = self.fc.weight.device
+        if dev not in self._inv_freq:
+            self._inv_freq[dev] = self._inv_freq[torch.device("cpu")].to(dev)
+        return rope_cos_sin(positions.to(dev), self._inv_freq[dev], self.fc.weight.dtype)
+
+    def embed_rows(self, tokens: Tensor) -> Tensor:
+        """Embed row tokens [B, Q]; ``MASK_ID`` rows get the learned mask embedding."""
+        e = F.embedding(tokens.clamp(min=0), self.embed_tokens.weight.detach()).to(self.fc.weight.dtype)
+        return torch.where((tokens == MASK_ID)[..., None], self.mask_embedding, e)
+
+    def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        w, b = self.lm_head.weight.detach(), self.lm_head.bias
+        if out is not None and b is None and out.dtype == hidden.dtype and out.is_contiguous():
+            return torch.matmul(hidden, w.t(), out=out)  # written straight into the ring slot
+        z = F.linear(hidden, w, None if b is None else b.detach())
+        return z if out is None else out.copy_(z)
+
+    def markov_bias(self, prev: Tensor) -> Tensor:
+        """The Markov head's bias ``W1[prev] @ W2`` for previous tokens prev [...] -> [..., V]."""
+        return self.w1[prev] @ self.w2
+
+    def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Fuse target features [B,T,F] (fc + RMSNorm) and project each layer's K/V at ``positions`` [B,T]."""
+        if features.shape[-1] != self.config.feature_size:
+            raise ValueError(f"features have width {features.shape[-1]}; expected len(layer_ids) * "
+                             f"target_hidden_size = {self.config.feature_size}")
+        c = self.context_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self._rope(positions)
+        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def backbone(self, tokens: Tensor, positions: Tensor, ctx_kv: Sequence[tuple[Tensor, Tensor]],
+                 attend: Attend) -> Tensor:
+        """Run the block rows through every layer (Q from the rows, K/V = cat(context, rows)); final-normed."""
+        h = self.embed_rows(tokens)
+        b, q, _ = h.shape
+        cos, sin = self._rope(positions)
+        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
+            x = layer.input_layernorm(h)
+            k, v = layer.self_attn.key_value(x, cos, sin)
+            o = attend(layer.self_attn.query(x, cos, sin), k_ctx, v_ctx, k, v)
+            h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, q, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def forward(self, features: Tensor, tokens: Tensor, positions: Tensor, ctx_visible: Tensor,
+                block_visible: Tensor, logit_rows: Tensor | slice = slice(None)) -> Tensor:
+        """Training forward: context = all of ``features`` [B,N,F] (row p at position p), rows ``tokens``
+        [B,Q] at ``positions``; masks ctx_visible [B,Q,N], block_visible [B|1,Q,Q]. Logits of ``logit_rows``."""
+        n = features.shape[1]
+        ctx_pos = torch.arange(n, device=features.device).expand(features.shape[0], n)
+        ctx_kv = self.context_kv(features, ctx_pos)
+        h = self.backbone(tokens, positions, ctx_kv, dense_attend(ctx_visible, block_visible, self.scale))
+        return self.logits(h[:, logit_rows])
+
+    # ------------------------------------------------------------ context cache
+    def new_context_cache(self, batch: int, max_len: int, dtype=None, device=None) -> ContextCache:
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"context cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+        c = self.config
+        shape = (c.num_layers, batch, c.num_key_value_heads, max_len, c.head_dim)
+        dtype, device = dtype or self.fc.weight.dtype, device or self.fc.weight.device
+        return ContextCache(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(batch, dtype=torch.long))
+
+    def _check_cache(self, cache: ContextCache, batch: int, what: str):
+        if cache.batch != batch:
+            raise ValueError(f"{what} has batch {batch} but the context cache holds {cache.batch} rows")
+
+    @torch.inference_mode()  # inference mode is per thread: lanes call these from worker threads
+    def extend_context(self, cache: ContextCache, features: Tensor, n: Tensor) -> None:
+        """Append the first n[b] rows of features[b] [B,T,F] at cache.lengths[b] (the accepted tokens)."""
+        if features.dim() != 3:
+            raise ValueError(f"features must be [B, T, F], got shape {tuple(features.shape)}")
+        b, t, _ = features.shape
+        self._check_cache(cache, b, "features")
+        n = torch.as_tensor(n, dtype=torch.long).cpu().reshape(-1)
+        if n.shape[0] != b or (n < 0).any() or (n > t).any():
+            raise ValueError(f"n={n.tolist()}: expected {b} counts in [0, {t}]")
+        new_len = cache.lengths + n
+        if (new_len > cache.max_len).any():
+            raise ValueError(f"context cache overflow: lengths {new_len.tolist()} exceed max_len={cache.max_len}")
+        pos = (cache.lengths[:, None] + torch.arange(t)).clamp(max=cache.max_len - 1)  # rows >= n are dropped
+        kv = self.context_kv(features.to(cache.k.device), pos)
+        rows, cols = (torch.arange(t)[None, :] < n[:, None]).nonzero(as_tuple=True)
+        dst = (cache.lengths[rows] + cols).to(cache.k.device)
+        rows, cols = rows.to(cache.k.device), cols.to(cache.k.device)
+        for i, (k, v) in enumerate(kv):
+            cache.k[i, rows, :, dst] = k[rows, :, cols].to(cache.k.dtype)
+            cache.v[i, rows, :, dst] = v[rows, :, cols].to(cache.v.dtype)
+        cache.lengths.copy_(new_len)
+
+    @torch.inference_mode()
+    def crop(self, cache: ContextCache, lengths: Tensor | int) -> None:
+        """Roll the context back to ``lengths`` (per row or one int); never grows it."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long).cpu().expand(cache.batch)
+        if (lengths < 0).any() or (lengths > cache.lengths).any():
+            raise ValueError(f"crop to {lengths.tolist()}: expected 0 <= length <= current "
+                             f"{cache.lengths.tolist()} per row")
+        cache.lengths.copy_(lengths)
+
+    # ------------------------------------------------------------ the two layouts
+    def _check_d(self, d: int) -> None:
+        if not 1 <= d <= MAX_DRAFT:  # unsafe: the kernels (tree attention, Markov head) stop at MAX_DRAFT
+            raise ValueError(f"draft length d={d}: expected 1 <= d <= {MAX_DRAFT} (the kernels' limit)")
+        if d > self.config.block_size and d not in self._warned_d:
+            self._warned_d.add(d)
+            warnings.warn(f"draft length d={d} exceeds block_size={self.config.block_size} the drafter was "
+                          f"trained for: positions past {self.config.block_size} are untrained (expect lower "
+                          "tau); running anyway", DrafterWarning, stacklevel=3)
+
+    def _rows_tokens(self, tokens: Tensor, batch: int, what: str) -> Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != batch:
+            raise ValueError(f"{what} must be [B={batch}, n] token ids, got shape {tuple(tokens.shape)}")
+        if tokens.dtype != torch.long:
+            raise ValueError(f"{what} must be torch.long token ids, got {tokens.dtype}")
+        bad = (tokens < 0) | (tokens >= self.config.vocab_size)
+        if bad.any():
+            raise ValueError(f"{what} holds token id {int(tokens[bad][0])} outside [0, {self.config.vocab_size})")
+        return tokens.to(self.fc.weight.device)
+
+    @torch.inference_mode()
+    def block_logits(self, cache: ContextCache, anchor: Tensor, d: int, prefix: Tensor | None = None,
+                     mask_anchor: bool = False) -> Tensor:
+        """Layout (a): [anchor, MASK x (d-1)] at positions lengths[b].. -> d logits [B, d, V].
+
+        ``prefix`` [B, P] puts P feature-less tokens (causal, not seeing the block) before the anchor;
+        ``mask_anchor`` replaces the anchor by MASK (what branch r of layout (b) sees at the bonus position).
+        """
+        self._check_d(d)
+        b = cache.batch
+        anchor = self._rows_tokens(torch.as_tensor(anchor).reshape(b, 1), b, "anchor")
+        prefix = anchor[:, :0] if prefix is None else self._rows_tokens(prefix, b, "prefix")
+        if mask_anchor:
+            anchor = torch.full_like(anchor, MASK_ID)
+        p = prefix.shape[1]
+        tokens = torch.cat([prefix, anchor, torch.full((b, d - 1), MASK_ID, device=anchor.device)], dim=1)
+        offsets, visible = serial_layout(d, p)
+        ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
+        lc = ctx_kv[0][0].shape[2]
+        dev = anchor.device
+        ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, p + d, lc)
+        positions = cache.lengths[:, None] + offsets
+        attend = dense_attend(ctx_visible.to(dev), visible.to(dev)[None], self.scale)
+        return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend)[:, p:])
+
+    @torch.inference_mode()
+    def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None) -> Tensor:
+        """Layout (b): spine s_0..s_d at positions lengths[b]..; branch r = d MASK rows at lengths[b]+r+1..;
+        one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given)."""
+        b = cache.batch
+        spine = self._rows_tokens(spine, b, "spine")
+        d = spine.shape[1] - 1
+        self._check_d(d)
+        shape = (b, d + 1, d, self.config.vocab_size)
+        if out is not None and tuple(out.shape) != shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}; boundary logits for d={d} need {shape}")
+        offsets, _ = tree_layout(d)
+        dev = spine.device
+        tokens = torch.cat([spine, torch.full((b, (d + 1) * d), MASK_ID, device=dev)], dim=1)
+        positions = (cache.lengths[:, None] + offsets).to(dev)
+        ctx_lens = cache.lengths.to(dev)
+
+        def attend(q, k_ctx, v_ctx, k_tree, v_tree):
+            return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d, self.scale)
+
+        ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
+        h = self.backbone(tokens, positions, ctx_kv, attend)[:, d + 1:]
+        flat = None if out is None else out.view(b, (d + 1) * d, -1) if out.is_contiguous() else None
+        z = self.logits(h, out=flat)
+        if out is None:
+            return z.view(shape)
+        if flat is None:
+            out.copy_(z.view(shape))
+        return out
+
+
+# ---------------------------------------------------------------- save / load
+def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
+    """Write ``drafter_config.json`` + ``drafter.safetensors`` (shared embed/lm_head excluded) into ``path``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump({"format": _FORMAT, "version": 1, "config": drafter.config.to_dict()}, f, indent=2)
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": _FORMAT})
+
+
+def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
+    file = os.path.join(path, CONFIG_NAME)
+    try:
+        with open(file) as f:
+            blob = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"no drafter checkpoint at {path}: expected {CONFIG_NAME} and {WEIGHTS_NAME}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt drafter config {file}: {e}") from None
+    if not isinstance(blob, dict) or blob.get("format") != _FORMAT or not isinstance(blob.get("config"), dict):
+        raise ValueError(f"{file} is not a dpara_rt drafter config (expected format '{_FORMAT}')")
+    return DrafterConfig.from_dict(blob["config"])
+
+
+def check_target_compatible(config: DrafterConfig, target_model: nn.Module) -> None:
+    """Refuse a target whose vocab size, hidden size or depth does not fit the drafter (names both values)."""
+    tc = target_model.config
+    if tc.vocab_size != config.vocab_size:
+        raise ValueError(f"vocab size mismatch: drafter vocab_size={config.vocab_size}, "
+                         f"target vocab_size={tc.vocab_size}")
+    if tc.hidden_size != config.target_hidden_size or tc.hidden_size != config.hidden_size:
+        raise ValueError(f"hidden size mismatch: drafter target_hidden_size={config.target_hidden_size} / "
+                         f"hidden_size={config.hidden_size}, target hidden_size={tc.hidden_size}")
+    bad = [i for i in config.layer_ids if i >= tc.num_hidden_layers]
+    if bad:
+        raise ValueError(f"drafter layer_ids {config.layer_ids} include {bad}, beyond the target's "
+                         f"num_hidden_layers={tc.num_hidden_layers} (valid ids: 0..{tc.num_hidden_layers - 1})")
+
+
+def _shared_on(module: nn.Module, device, dtype) -> nn.Module:
+    w = module.weight
+    if (device is None or torch.device(device) == w.device) and (dtype is None or dtype == w.dtype):
+        return module
+    return copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
+
+
+def load_drafter(path: str | os.PathLike, target_model: nn.Module, device=None, dtype=None) -> Drafter:
+    """Load a drafter for ``target_model`` (shares its embed_tokens / lm_head; copies them only when
+    ``device``/``dtype`` differ from the target's)."""
+    config = read_drafter_config(path)
+    check_target_compatible(config, target_model)
+    drafter = Drafter(config, _shared_on(target_model.embed_tokens, device, dtype),
+                      _shared_on(target_model.lm_head, device, dtype))
+    load_drafter_weights(drafter, path)
+    return drafter
+
+
+def load_drafter_weights(drafter: Drafter, path: str | os.PathLike) -> None:
+    """Load a checkpoint's weights into an existing drafter of the same config (training resume)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = read_drafter_config(path)
+    if config != drafter.config:
+        raise ValueError(f"drafter checkpoint {path} has config {config.to_dict()}, "
+                         f"the drafter has {drafter.config.to_dict()}")
+    file = os.path.join(path, WEIGHTS_NAME)
+    try:
+        state = load_file(file)
+    except FileNotFoundError:
+        raise ValueError(f"drafter checkpoint {path} has a config but no {WEIGHTS_NAME}") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"corrupt drafter weights {file}: {e}") from None
+    expected = drafter.state_dict()
+    missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"corrupt drafter weights {file}: missing tensors {missing}, unexpected tensors {unknown}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"corrupt drafter weights {file}: {name} has shape {tuple(t.shape)}, "
+                             f"the config implies {tuple(expected[name].shape)}")
+        if not torch.isfinite(t.float()).all():
+            raise ValueError(f"corrupt drafter weights {file}: {name} holds non-finite values")
+    drafter.load_state_dict(state)
+
+
+__all__ = ["MASK_ID", "ContextCache", "Drafter", "DrafterConfig", "DrafterWarning", "check_target_compatible",
+           "default_layer_ids", "dense_attend", "load_drafter", "load_drafter_weights", "read_drafter_config",
+           "save_drafter",
+           "serial_layout", "tree_layout"]

@@ -1,0 +1,300 @@
+"""Qwen3-architecture causal LM in plain torch, numerically equal to transformers' Qwen3ForCausalLM.
+
+Every row of a batch carries its own positions, so one forward serves ragged prefill, single-token
+decoding and multi-token verification. With a KVCache the new K/V are written at `positions` and each
+query attends to cache slots 0..its own position; the caller decides what is committed.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dpara_rt.models.kv_cache import KVCache
+
+MODEL_TYPE = "qwen3"
+ARCHITECTURE = "Qwen3ForCausalLM"
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Qwen3Config.{name} = {value!r}; expected a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Qwen3Config: num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads = {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim}; RoPE needs an even head_dim")
+        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+            raise ValueError(f"Qwen3Config: rope_theta = {self.rope_theta!r} and rms_norm_eps = "
+                             f"{self.rms_norm_eps!r} must both be positive")
+        bad = [e for e in self.eos_token_id if not 0 <= e < self.vocab_size]
+        if bad:
+            raise ValueError(f"Qwen3Config.eos_token_id contains {bad}; expected ids in [0, {self.vocab_size})")
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Qwen3Config":
+        """Parse a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+        model_type = d.get("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"config model_type = {model_type!r}; expected {MODEL_TYPE!r}")
+        archs = d.get("architectures") or [ARCHITECTURE]
+        if ARCHITECTURE not in archs:
+            raise ValueError(f"config architectures = {archs!r}; expected {[ARCHITECTURE]!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config hidden_act = {d['hidden_act']!r}; Qwen3 uses 'silu'")
+        if d.get("attention_bias", False):
+            raise ValueError("config attention_bias = true; Qwen3 attention has no biases")
+        if d.get("use_sliding_window", False):
+            raise ValueError("config use_sliding_window = true; only full attention is supported")
+        # transformers 5 nests rope_theta in rope_parameters; 4.x keeps it at the top with rope_scaling.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config rope_type = {rope_type!r}; only 'default' RoPE is supported")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"config lacks required keys {missing}")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), eos_token_id=eos)
+
+    @classmethod
+    def from_json(cls, path) -> "Qwen3Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist; expected a Hugging Face config.json")
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"config file {str(path)!r} holds a {type(d).__name__}; expected a JSON object")
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict:
+        """A config.json that both transformers 4.x (rope_theta) and 5.x (rope_parameters) read."""
+        d = asdict(self)
+        d.update(model_type=MODEL_TYPE, architectures=[ARCHITECTURE], hidden_act="silu",
+                 attention_bias=False, use_sliding_window=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, scale in the model dtype: the same rounding as transformers.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, T, 1, head_dim] for per-row positions [B, T]."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, **kw)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, positions: Tensor,
+                cache: KVCache | None, layer: int, kv_len: int) -> Tensor:
+        B, T, _ = x.shape
+        D, Hkv = self.head_dim, self.n_kv
+        G = self.n_heads // Hkv
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, D)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, D)), cos, sin)
+        v = self.v_proj(x).view(B, T, Hkv, D)
+        if cache is not None:
+            cache.write(layer, positions, k, v)
+            k, v = cache.window(layer, B, kv_len)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        # GQA without repeating K/V: the G query heads sharing a KV head become G*T query rows of it
+        # (head h uses KV head h // G, as in transformers' repeat_kv).
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(D))
+        o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, self.n_heads * D)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, device=None, dtype=None):
+        super().__init__()
+        self.self_attn = Attention(cfg, device, dtype)
+        self.mlp = MLP(cfg, device, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+    def forward(self, h: Tensor, *attn_args) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), *attn_args)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: Qwen3Config, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.reset_rope()
+
+    def reset_rope(self):
+        """(Re)compute the RoPE frequencies in fp32 on the embedding's device (also after meta init)."""
+        device = self.embed_tokens.weight.device
+        device = torch.device("cpu") if device.type == "meta" else device
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta).to(device)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None):
+        """Fresh random weights as transformers initialises Qwen3: N(0, std) matrices, unit norms."""
+        for p in self.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=generator).mul_(std))
+            else:
+                p.fill_(1.0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache | None = None,
+                layer_ids: Sequence[int] = (), *, kv_len: int | None = None,
+                logits_index: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, T, V] (fp32) and the captured layers' outputs concatenated, [B, T, len(layer_ids) * H]
+        (layer i's output is transformers' hidden_states[i + 1]: the last layer's is after the final norm).
+
+        input_ids, positions: [B, T]. With `cache`, K/V are written at `positions` (row b of the cache is
+        batch row b) and query (b, t) sees cache slots 0..positions[b, t]; the caller must make each row's
+        positions contiguous from its committed length so that no stale slot is visible. cache.lengths is
+        left alone. `kv_len` (optional) is max(positions) + 1, passed by callers that know it to avoid a
+        device sync. `logits_index` [B] picks one position per row: logits are then [B, 1, V].
+        Without a cache, token t' is visible to t when positions[b, t'] <= positions[b, t].
+        """
+        if input_ids.dim() != 2 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must both be [B, T]")
+        n_layers = self.config.num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"layer_ids {list(layer_ids)} contain {bad}; expected indices in [0, {n_layers})")
+        B = input_ids.shape[0]
+        if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != self.device:
+            self.reset_rope()  # module.to(dtype) casts buffers too; RoPE frequencies must stay fp32
+        positions = positions.to(self.inv_freq.device)
+        if cache is not None:
+            cache.check_compatible(B, self.dtype)
+            kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+            if kv_len > cache.max_len:
+                raise ValueError(f"position {kv_len - 1} is past the KV cache's max_len {cache.max_len}")
+            key_pos = torch.arange(kv_len, device=positions.device).expand(B, kv_len)
+        else:
+            key_pos = positions
+        G = self.config.num_kv_groups
+        # One boolean mask for all layers; rows are (group, query) pairs to match the GQA reshape.
+        q_pos = positions.repeat(1, G)
+        mask = (key_pos[:, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        wanted = {i: None for i in layer_ids}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, positions, cache, i, kv_len)
+            if i in wanted:
+                wanted[i] = h
+        h = self.norm(h)
+        # Features are transformers' hidden_states[i + 1], whose last entry is taken after the final norm.
+        if n_layers - 1 in wanted:
+            wanted[n_layers - 1] = h
+        features = torch.cat([wanted[i] for i in layer_ids], dim=-1) if layer_ids else None
+        if logits_index is not None:
+            h = h[torch.arange(B, device=h.device), logits_index.to(h.device)].unsqueeze(1)
+        return self.lm_head(h).float(), features

@@ -1,0 +1,126 @@
+"""The speculation-facing target: ragged prefill, multi-token verify at ragged positions, commit/rollback."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dpara_rt.models.kv_cache import KVCache
+from dpara_rt.models.qwen3 import Qwen3ForCausalLM
+
+
+class Target:
+    def __init__(self, model: Qwen3ForCausalLM, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
+        n_layers = model.config.num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= int(i) < n_layers]
+        if bad:
+            raise ValueError(f"layer_ids {list(layer_ids)} contain {bad}; expected indices in [0, {n_layers})")
+        self.model = model
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.cache = KVCache.for_model(model.config, max_batch, max_len, model.dtype, model.device)
+        self.batch = 0          # rows in use since the last start()
+        self._last_t = 0        # T of the last verify: the most a commit may keep
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def max_batch(self) -> int:
+        return self.cache.batch
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.layer_ids) * self.config.hidden_size
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.cache.lengths[: self.batch].clone()
+
+    def check_prompts(self, prompts: list[list[int]]) -> list[int]:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts = {prompts!r}; expected a non-empty list of token-id lists")
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts exceed this target's max_batch {self.max_batch}")
+        V = self.config.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every request needs at least one token")
+            if len(p) > self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_len {self.max_len}")
+            bad = [t for t in p if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {V})")
+        return [len(p) for p in prompts]
+
+    @torch.no_grad()
+    def start(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Prefill and commit ragged prompts. Returns (last_logits [B, V], features [B, Tmax, F], prompt_lens [B]);
+        features past a prompt's end are zeros."""
+        lens = self.check_prompts(prompts)
+        B, Tmax = len(prompts), max(lens)
+        ids = torch.zeros(B, Tmax, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : lens[i]] = torch.as_tensor(p, dtype=torch.long)
+        prompt_lens = torch.tensor(lens, dtype=torch.long)
+        # Padding sits at positions len..Tmax-1: written to the cache but past the committed length.
+        positions = torch.arange(Tmax).expand(B, Tmax)
+        dev = self.device
+        logits, feats = self.model(ids.to(dev), positions.to(dev), self.cache, self.layer_ids, kv_len=Tmax,
+                                   logits_index=(prompt_lens - 1).to(dev))
+        self.batch, self._last_t = B, 0
+        self.cache.reset()
+        self.cache.lengths[:B] = prompt_lens
+        valid = (positions < prompt_lens[:, None]).to(dev)
+        feats = self._features(feats, B, Tmax) * valid[..., None]
+        return logits[:, 0], feats, prompt_lens
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Run tokens [B, T] of each row at positions lengths[b]..lengths[b]+T-1 (lengths unchanged).
+        Returns (logits [B, T, V] fp32, features [B, T, F])."""
+        if self.batch == 0:
+            raise RuntimeError("verify before start(): no requests are loaded")
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 2 or tokens.shape[0] != self.batch or tokens.shape[1] == 0:
+            raise ValueError(f"verify tokens shape {tuple(tokens.shape)}; expected [{self.batch}, T >= 1]")
+        if tokens.dtype != torch.long:
+            raise ValueError(f"verify tokens dtype {tokens.dtype}; expected torch.long token ids")
+        B, T = tokens.shape
+        lengths = self.cache.lengths[:B]
+        end = lengths + T
+        over = (end > self.max_len).nonzero().flatten().tolist()
+        if over:
+            r = over[0]
+            raise ValueError(f"row {r}: length {int(lengths[r])} + {T} verify tokens exceeds max_len {self.max_len}")
+        positions = (lengths[:, None] + torch.arange(T)).to(self.device)
+        logits, feats = self.model(tokens.to(self.device), positions, self.cache, self.layer_ids,
+                                   kv_len=int(end.max()))
+        self._last_t = T
+        return logits, self._features(feats, B, T)
+
+    def commit(self, n: Tensor):
+        """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
+        n = torch.as_tensor(n, dtype=torch.long).cpu()
+        if n.shape != (self.batch,):
+            raise ValueError(f"commit counts shape {tuple(n.shape)}; expected [{self.batch}]")
+        bad = ((n < 0) | (n > self._last_t)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"commit counts {n.tolist()}: rows {bad} outside [0, {self._last_t}] "
+                             "(the T of the last verify not yet committed)")
+        self.cache.lengths[: self.batch] += n
+        self._last_t = 0
+
+    def _features(self, feats: Tensor | None, B: int, T: int) -> Tensor:
+        if feats is None:
+            return torch.zeros(B, T, 0, dtype=self.model.dtype, device=self.device)
+        return feats

@@ -1,0 +1,210 @@
+"""Round state, greedy acceptance, tree-mask metadata and metrics through the bindings, checked against
+naive Python / numpy built from DESIGN.md's rules (hypothesis) and the plain-Python reference."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dpara_rt.core import (Metrics, RefRoundState, RoundState, greedy_accept, ref_tree_metadata, span, tree_mask,
+                           tree_metadata)
+
+
+def naive_accept(draft, argmax):
+    rs, bonus = [], []
+    for b in range(len(draft)):
+        r = 0
+        for i in range(len(draft[b])):
+            if draft[b][i] != argmax[b][i]:
+                break
+            r += 1
+        rs.append(r)
+        bonus.append(argmax[b][r])
+    return rs, bonus
+
+
+@st.composite
+def acceptance_case(draw):
+    batch, d = draw(st.integers(1, 16)), draw(st.integers(1, 16))
+    draft = np.array(draw(st.lists(st.integers(0, 3), min_size=batch * d, max_size=batch * d))).reshape(batch, d)
+    argmax = np.array(draw(st.lists(st.integers(0, 3), min_size=batch * (d + 1),
+                                    max_size=batch * (d + 1)))).reshape(batch, d + 1)
+    for b in range(batch):  # long accepted prefixes are the interesting case: copy part of the draft
+        k = draw(st.integers(0, d))
+        argmax[b, :k] = draft[b, :k]
+    return draft, argmax
+
+
+@settings(max_examples=150, deadline=None)
+@given(acceptance_case())
+def test_greedy_accept_equals_naive_loop(case):
+    draft, argmax = case
+    r, bonus = greedy_accept(draft, argmax)
+    want_r, want_bonus = naive_accept(draft.tolist(), argmax.tolist())
+    assert r.tolist() == want_r and bonus.tolist() == want_bonus
+
+
+def naive_tree(d):
+    """The spine+branch tree of DESIGN.md §1 as explicit tokens, and its dense mask."""
+    tokens = [("spine", i, i) for i in range(d + 1)]                             # s_0..s_d at n..n+d
+    tokens += [("branch", r, r + 1 + j) for r in range(d + 1) for j in range(d)]  # branch r at n+r+1..n+r+d
+    n = len(tokens)
+    mask = np.zeros((n, n), dtype=bool)
+    for q, (qkind, qi, _) in enumerate(tokens):
+        for k, (kkind, ki, _) in enumerate(tokens):
+            if qkind == "spine":
+                mask[q, k] = kkind == "spine" and ki <= qi  # causal among the spine
+            else:
+                mask[q, k] = (kkind == "spine" and ki <= qi) or (kkind == "branch" and ki == qi)
+    return tokens, mask
+
+
+@pytest.mark.parametrize("d", range(1, 17))
+def test_tree_metadata_expands_to_the_naive_dense_mask(d):
+    meta = tree_metadata(d)
+    tokens, naive = naive_tree(d)
+    assert meta["rows"] == len(tokens) == (d + 1) ** 2
+    qb, lim = meta["query_branch"], meta["query_spine_limit"]
+    ks, kb = meta["key_spine"], meta["key_branch"]
+    expanded = ((ks[None, :] >= 0) & (ks[None, :] <= lim[:, None])) | ((kb[None, :] >= 0) & (kb[None, :] == qb[:, None]))
+    assert np.array_equal(expanded, naive)
+    assert np.array_equal(tree_mask(d), naive)
+    assert meta["query_pos_offset"].tolist() == [pos for _, _, pos in tokens]
+    assert qb.tolist() == [-1 if kind == "spine" else i for kind, i, _ in tokens]
+    ref = ref_tree_metadata(d)
+    for key in ("query_branch", "query_pos_offset", "query_spine_limit", "key_spine", "key_branch"):
+        assert meta[key].dtype == np.int32 and meta[key].tolist() == ref[key]
+
+
+def test_tree_metadata_bad_d():
+    for d in (0, 33):
+        with pytest.raises(ValueError, match=f"got {d}"):
+            tree_metadata(d)
+
+
+def test_eos_and_max_new_tokens_inside_a_block():
+    state = RoundState(batch=3, d=4, max_new_tokens=4, eos_ids=[2, 9], max_len=100)
+    committed = state.start(np.array([5, 6, 7]), np.array([10, 11, 12]))
+    assert committed.tolist() == [1, 1, 1] and state.num_running() == 3
+    state.set_draft(np.array([[20, 2, 21, 22], [30, 31, 32, 33], [40, 41, 42, 43]]))
+    argmax = np.array([[20, 2, 21, 22, 23],     # accepts all, but the EOS 2 is its 2nd token
+                       [30, 31, 32, 33, 34],    # accepts all, cut at max_new_tokens (1 + 3 tokens)
+                       [99, 0, 0, 0, 0]])       # rejects at once: bonus 99 only
+    r, bonus, committed = state.step(argmax, slot=1)
+    assert r.tolist() == [4, 4, 0] and bonus.tolist() == [23, 34, 99]
+    assert committed.tolist() == [2, 3, 1]
+    assert state.outputs() == [[10, 20, 2], [11, 30, 31, 32], [12, 99]]
+    assert [state.reason(b) for b in range(3)] == ["eos", "length", ""]
+    assert state.finished().tolist() == [True, True, False] and state.num_running() == 1
+    assert state.target_pos().tolist() == [7, 9, 8] and state.drafter_pos().tolist() == [7, 9, 8]
+    assert state.committed_lens().tolist() == [8, 10, 9]
+    state.set_draft(np.zeros((3, 4), dtype=np.int64))
+    r, bonus, committed = state.step(np.full((3, 5), 3), slot=0)
+    assert committed.tolist() == [0, 0, 1] and r.tolist() == [0, 0, 0]  # finished requests commit nothing
+    assert state.slots(0).tolist() == [1] and state.slots(2).tolist() == [1, 0]
+    assert state.spine()[2, 0] == 3 and state.rounds() == 2
+
+
+def test_caller_owned_outputs_and_positions():
+    state = RoundState(2, 2, 50, [], 100)
+    out = np.zeros(2, dtype=np.int64)
+    state.start(np.array([3, 8]), np.array([1, 1]), out)
+    state.set_draft(np.array([[4, 5], [6, 7]]))
+    r, bonus, committed = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
+    result = state.step(np.array([[4, 5, 6], [0, 0, 0]]), 0, r, bonus, committed)
+    assert result[0] is r and r.tolist() == [2, 0] and committed.tolist() == [3, 1]
+    offsets = tree_metadata(2)["query_pos_offset"]
+    assert np.array_equal(state.positions(), state.target_pos()[:, None] + offsets[None, :])
+    with pytest.raises(ValueError, match=r"committed must be a writable contiguous int64 array of shape \(2,\)"):
+        state.start(np.array([3, 8]), np.array([1, 1]), np.zeros(2, dtype=np.int32))
+
+
+def test_round_state_bad_input_names_the_value():
+    with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
+        RoundState(0, 4, 8, [], 64)
+    with pytest.raises(ValueError, match="got 33"):
+        RoundState(1, 33, 8, [], 64)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        RoundState(1, 4, 0, [], 64)
+    state = RoundState(2, 3, 8, [], 64)
+    with pytest.raises(RuntimeError, match="before start"):
+        state.set_draft(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"prompt_lens must have shape \(2,\), got \(3,\)"):
+        state.start(np.array([1, 2, 3]), np.array([1, 2]))
+    with pytest.raises(ValueError, match="prompt length 64 of request 1"):
+        state.start(np.array([4, 64]), np.array([1, 2]))
+    state.start(np.array([4, 5]), np.array([1, 2]))
+    with pytest.raises(RuntimeError, match="step before set_draft"):
+        state.step(np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"target_argmax must have shape \(2, 4\), got \(2, 3\)"):
+        state.set_draft(np.zeros((2, 3)))
+        state.step(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"r\[1\] = 9 out of range"):
+        state.commit(np.array([0, 9]), np.array([1, 1]))
+    with pytest.raises(ValueError, match="request index 2 out of range for batch 2"):
+        state.output(2)
+
+
+@st.composite
+def generation(draw):
+    batch, d = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    max_new, max_len = draw(st.integers(1, 30)), draw(st.integers(12, 60))
+    eos = draw(st.lists(st.integers(0, 5), max_size=2))
+    prompts = draw(st.lists(st.integers(1, 10), min_size=batch, max_size=batch))
+    rounds = []
+    for _ in range(draw(st.integers(1, 12))):
+        draft = draw(st.lists(st.integers(0, 5), min_size=batch * d, max_size=batch * d))
+        argmax = draw(st.lists(st.integers(0, 5), min_size=batch * (d + 1), max_size=batch * (d + 1)))
+        keep = draw(st.lists(st.integers(0, d), min_size=batch, max_size=batch))
+        draft, argmax = np.array(draft).reshape(batch, d), np.array(argmax).reshape(batch, d + 1)
+        for b in range(batch):
+            argmax[b, :keep[b]] = draft[b, :keep[b]]
+        rounds.append((draft, argmax))
+    return batch, d, max_new, eos, max_len, prompts, rounds
+
+
+@settings(max_examples=120, deadline=None)
+@given(generation())
+def test_round_state_matches_python_reference(case):
+    batch, d, max_new, eos, max_len, prompts, rounds = case
+    cpp, ref = RoundState(batch, d, max_new, eos, max_len), RefRoundState(batch, d, max_new, eos, max_len)
+    first = [p % 6 for p in prompts]
+    assert cpp.start(np.array(prompts), np.array(first)).tolist() == ref.start(prompts, first)
+    for k, (draft, argmax) in enumerate(rounds):
+        cpp.set_draft(draft)
+        ref.set_draft(draft.tolist())
+        got = [a.tolist() for a in cpp.step(argmax, k % 3)]
+        assert got == list(ref.step(argmax.tolist(), k % 3))
+        assert cpp.outputs() == ref.outputs
+        assert cpp.positions().tolist() == ref.positions()
+        assert cpp.finished().tolist() == ref.finished()
+        assert [cpp.reason(b) for b in range(batch)] == ref.reasons
+    for b in range(batch):
+        out = cpp.output(b)
+        assert len(out) <= max_new and prompts[b] + len(out) <= max_len
+        assert all(t not in eos for t in out[:-1])  # an EOS can only be the last token
+        assert cpp.slots(b).tolist() == ref.slots[b]
+
+
+def test_metrics_histogram_trace_and_span():
+    m = Metrics(3)
+    m.record_round(np.array([0, 3, 3]))
+    m.record_round(np.array([1]), fallback=True)
+    assert m.histogram().tolist() == [1, 1, 0, 2] and m.rounds == 2 and m.fallbacks == 1
+    assert m.tau == pytest.approx((1 + 2 + 4 + 4) / 4)
+    with span(m, 0, "verify", "target"):
+        pass
+    m.add_event(0, "backbone", "drafter", 100, 300)
+    trace = json.loads(m.chrome_trace())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {e["name"] for e in complete} == {"verify", "backbone"} and names == {"target", "drafter"}
+    backbone = next(e for e in complete if e["name"] == "backbone")
+    assert backbone["ts"] == 0.0 and backbone["dur"] == pytest.approx(0.2) and backbone["args"]["round"] == 0
+    assert set(m.phase_totals_ns()) == {"verify", "backbone"} and m.events()[1]["lane"] == "drafter"
+    with pytest.raises(ValueError, match=r"r\[0\] = 4 out of range"):
+        m.record_round(np.array([4]))
+    with pytest.raises(ValueError, match="before it starts"):
+        m.add_event(1, "verify", "target", 10, 5)
+    with pytest.raises(ValueError, match="got 0"):
+        Metrics(0)

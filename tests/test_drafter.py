@@ -1,0 +1,203 @@
+"""Drafter model: layout (b) == layout (a) per branch, context cache, save/load, bad input."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from dpara_rt.ops import MAX_DRAFT
+from dpara_rt.models.drafter import (MASK_ID, Drafter, DrafterConfig, DrafterWarning, default_layer_ids,
+                                     load_drafter, save_drafter, tree_layout)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def drafter(tiny_target, tiny_layer_ids):
+    """A 2-layer drafter on the tiny target with every weight random (the Markov head included)."""
+    cfg = DrafterConfig.for_target(tiny_target.config, num_layers=2, block_size=5, markov_rank=16,
+                                   layer_ids=tiny_layer_ids)
+    torch.manual_seed(0)
+    dr = Drafter(cfg, tiny_target.embed_tokens, tiny_target.lm_head)
+    with torch.no_grad():
+        for p in dr.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return dr.eval()
+
+
+def _filled_cache(dr, lengths, max_len=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    feats = torch.randn(len(lengths), int(lengths.max()), dr.config.feature_size, generator=g)
+    cache = dr.new_context_cache(len(lengths), max_len)
+    dr.extend_context(cache, feats, lengths)
+    return cache, feats
+
+
+@pytest.mark.parametrize("d", [1, 3, 5])
+def test_branch_r_equals_serial_block_seeing_the_same(drafter, d):
+    cache, _ = _filled_cache(drafter, [7, 1, 13])  # ragged lengths
+    spine = torch.randint(0, drafter.config.vocab_size, (3, d + 1), generator=torch.Generator().manual_seed(d))
+    boundary = drafter.boundary_logits(cache, spine)
+    assert boundary.shape == (3, d + 1, d, drafter.config.vocab_size)
+    for r in range(d + 1):
+        serial = drafter.block_logits(cache, spine[:, 0], d, prefix=spine[:, :r + 1], mask_anchor=True)
+        torch.testing.assert_close(boundary[:, r], serial, atol=2e-5, rtol=1e-4)
+    # branches differ from each other (each sees a different spine prefix and sits at other positions)
+    assert not torch.allclose(boundary[:, 0], boundary[:, d], atol=1e-3)
+
+
+def test_boundary_logits_write_into_a_ring_slot(drafter):
+    d, b = 3, 2
+    cache, _ = _filled_cache(drafter, [4, 9])
+    spine = torch.randint(0, drafter.config.vocab_size, (b, d + 1), generator=torch.Generator().manual_seed(3))
+    ring = torch.full((3, b, d + 1, d, drafter.config.vocab_size), float("nan"))
+    got = drafter.boundary_logits(cache, spine, out=ring[1])
+    assert got.data_ptr() == ring[1].data_ptr()
+    torch.testing.assert_close(ring[1], drafter.boundary_logits(cache, spine))
+    assert ring[0].isnan().all() and ring[2].isnan().all()  # neighbouring slots untouched
+    half = torch.empty(b, d + 1, d, drafter.config.vocab_size, dtype=torch.float64)  # other dtype: copied in
+    drafter.boundary_logits(cache, spine, out=half)
+    torch.testing.assert_close(half.float(), ring[1])
+
+
+def test_block_sees_only_its_rows_context(drafter):
+    """Layout (a): context rows at or past a row's length are invisible; the anchor matters."""
+    feats = torch.randn(1, 6, drafter.config.feature_size, generator=torch.Generator().manual_seed(2))
+    cache = drafter.new_context_cache(2, 16)
+    drafter.extend_context(cache, feats.expand(2, -1, -1), torch.tensor([6, 6]))  # two identical rows
+    anchor = torch.tensor([5, 5])
+    base = drafter.block_logits(cache, anchor, 4)
+    torch.testing.assert_close(base[0], base[1])
+    cache.k[:, 1, :, 6:] = 99.0  # stale slots past the length
+    torch.testing.assert_close(drafter.block_logits(cache, anchor, 4), base)
+    cache.k[:, 1, :, 2] += 1.0  # a visible context row
+    assert not torch.allclose(drafter.block_logits(cache, anchor, 4)[1], base[1])
+    assert not torch.allclose(drafter.block_logits(cache, torch.tensor([5, 6]), 4)[1], base[1])
+
+
+def test_extend_and_crop_equal_building_from_scratch(drafter):
+    g = torch.Generator().manual_seed(7)
+    f = drafter.config.feature_size
+    first, second, tail = (torch.randn(2, t, f, generator=g) for t in (5, 4, 3))
+    cache = drafter.new_context_cache(2, 32)
+    drafter.extend_context(cache, first, torch.tensor([5, 3]))
+    drafter.extend_context(cache, second, torch.tensor([2, 4]))  # ragged rounds
+    drafter.crop(cache, torch.tensor([4, 6]))                      # rollback
+    drafter.extend_context(cache, tail, torch.tensor([3, 1]))
+    assert cache.lengths.tolist() == [7, 7]
+    # the rows each batch row kept, committed in one go
+    kept = torch.stack([torch.cat([first[0, :4], tail[0, :3]]),
+                        torch.cat([first[1, :3], second[1, :3], tail[1, :1]])])
+    scratch = drafter.new_context_cache(2, 32)
+    drafter.extend_context(scratch, kept, torch.tensor([7, 7]))
+    torch.testing.assert_close(cache.k[:, :, :, :7], scratch.k[:, :, :, :7])
+    torch.testing.assert_close(cache.v[:, :, :, :7], scratch.v[:, :, :, :7])
+    spine = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    torch.testing.assert_close(drafter.boundary_logits(cache, spine), drafter.boundary_logits(scratch, spine))
+
+
+def test_save_load_gives_identical_logits(drafter, tiny_target, tmp_path):
+    save_drafter(drafter, tmp_path)
+    names = set(json.load(open(tmp_path / "drafter_config.json"))["config"])
+    assert "layer_ids" in names
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "drafter.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)  # shared with the target, not saved
+    loaded = load_drafter(tmp_path, tiny_target)
+    assert loaded.embed_tokens is tiny_target.embed_tokens and loaded.lm_head is tiny_target.lm_head
+    cache, feats = _filled_cache(drafter, [5, 8])
+    cache2 = loaded.new_context_cache(2, 48)
+    loaded.extend_context(cache2, feats, torch.tensor([5, 8]))
+    spine = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert torch.equal(drafter.boundary_logits(cache, spine), loaded.boundary_logits(cache2, spine))
+    assert torch.equal(drafter.block_logits(cache, spine[:, 0], 3), loaded.block_logits(cache2, spine[:, 0], 3))
+    assert torch.equal(drafter.w1, loaded.w1) and torch.equal(drafter.w2, loaded.w2)
+
+
+def _rewrite_config(path, **changes):
+    blob = json.load(open(path / "drafter_config.json"))
+    blob["config"].update(changes)
+    json.dump(blob, open(path / "drafter_config.json", "w"))
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(vocab_size=600), ["vocab", "600", "512"]),
+    (dict(target_hidden_size=32), ["hidden", "32", "64"]),
+    (dict(layer_ids=[1, 4]), ["layer_ids", "[4]", "num_hidden_layers=4"]),
+])
+def test_load_refuses_a_target_that_does_not_fit(drafter, tiny_target, tmp_path, change, words):
+    save_drafter(drafter, tmp_path)
+    _rewrite_config(tmp_path, **change)
+    with pytest.raises(ValueError) as e:
+        load_drafter(tmp_path, tiny_target)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_corrupt_checkpoints_give_clear_errors(drafter, tiny_target, tmp_path):
+    save_drafter(drafter, tmp_path)
+    weights = tmp_path / "drafter.safetensors"
+    blob = weights.read_bytes()
+    weights.write_bytes(blob[: len(blob) // 2])  # truncated
+    with pytest.raises(ValueError, match="corrupt drafter weights"):
+        load_drafter(tmp_path, tiny_target)
+    weights.unlink()
+    with pytest.raises(ValueError, match="no drafter.safetensors"):
+        load_drafter(tmp_path, tiny_target)
+    (tmp_path / "drafter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt drafter config"):
+        load_drafter(tmp_path, tiny_target)
+    with pytest.raises(ValueError, match="no drafter checkpoint"):
+        load_drafter(tmp_path / "missing", tiny_target)
+    save_drafter(drafter, tmp_path)
+    _rewrite_config(tmp_path, markov_rank=8)  # weights no longer match the config
+    with pytest.raises(ValueError, match="w1 has shape"):
+        load_drafter(tmp_path, tiny_target)
+
+
+def test_bad_inputs_raise_or_warn(drafter):
+    cache, _ = _filled_cache(drafter, [3, 4])
+    v, bs = drafter.config.vocab_size, drafter.config.block_size
+    with pytest.warns(DrafterWarning, match=f"d={bs + 1} exceeds block_size={bs}"):
+        drafter.block_logits(cache, torch.tensor([1, 2]), bs + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drafter.block_logits(cache, torch.tensor([1, 2]), bs)  # within the trained size: silent
+    with pytest.raises(ValueError, match="d=0"):
+        drafter.block_logits(cache, torch.tensor([1, 2]), 0)
+    with pytest.raises(ValueError, match=f"d={MAX_DRAFT + 1}: expected 1 <= d <= {MAX_DRAFT}"):
+        drafter.boundary_logits(cache, torch.zeros(2, MAX_DRAFT + 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=f"token id {v}"):
+        drafter.boundary_logits(cache, torch.tensor([[1, v], [2, 3]]))
+    with pytest.raises(ValueError, match=r"B=2, n\] token ids, got shape \(3, 3\)"):
+        drafter.boundary_logits(cache, torch.zeros(3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="need"):
+        drafter.boundary_logits(cache, torch.zeros(2, 3, dtype=torch.long), out=torch.empty(2, 3, 3, v))
+    with pytest.raises(ValueError, match="overflow"):
+        drafter.extend_context(cache, torch.zeros(2, 48, drafter.config.feature_size), torch.tensor([48, 0]))
+    with pytest.raises(ValueError, match="width"):
+        drafter.extend_context(cache, torch.zeros(2, 1, 7), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="crop"):
+        drafter.crop(cache, torch.tensor([4, 4]))  # row 0 holds only 3
+    with pytest.raises(ValueError, match="layer_ids"):
+        DrafterConfig.from_dict({**drafter.config.to_dict(), "layer_ids": [1, 1]})
+    with pytest.raises(ValueError, match="unknown keys"):
+        DrafterConfig.from_dict({**drafter.config.to_dict(), "extra": 1})
+
+
+def test_layouts_and_layer_choice():
+    offsets, visible = tree_layout(2)
+    assert offsets.tolist() == [0, 1, 2, 1, 2, 2, 3, 3, 4]  # spine, then branches 0..2 restarting after s_r
+    assert visible[4].tolist() == [True, False, False, True, True, False, False, False, False]
+    assert visible[7].tolist() == [True, True, True, False, False, False, False, True, True]
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(4, 2) == [0, 3]
+    assert MASK_ID < 0
+
+
+def test_shared_modules_are_frozen_and_not_parameters(drafter, tiny_target):
+    own = {id(p) for p in drafter.parameters()}
+    assert id(tiny_target.embed_tokens.weight) not in own and id(tiny_target.lm_head.weight) not in own
+    assert not any("embed_tokens" in k or "lm_head" in k for k in drafter.state_dict())

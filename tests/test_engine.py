@@ -1,0 +1,153 @@
+"""The engine and its four methods: greedy outputs equal AR exactly, EOS / max_new_tokens mid-block, ragged
+batches, stats, overlap on two host lanes, bad input."""
+import json
+
+import pytest
+import torch
+
+from dpara_rt.engine import Engine
+from dpara_rt.methods.ar import generate_ar
+from dpara_rt.models.target import Target
+from engine_pairs import predictable_pair
+
+SPEC = [("dspark", "split", "pearl"), ("psd", "split", "pearl"), ("psd", "split", "ssd"),
+        ("dpara", "split", "pearl"), ("dpara", "colocated", "pearl")]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return predictable_pair()
+
+
+def prompts_for(batch, seed=0, vocab=64, lo=1, hi=12):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (batch,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def ar_reference(target, prompts, max_new, eos=(2,)):
+    t = Target(target, len(prompts), 512)
+    return generate_ar(t, prompts, max_new, eos_ids=eos)
+
+
+@pytest.mark.parametrize("method,placement,policy", SPEC)
+@pytest.mark.parametrize("batch,d", [(1, 1), (1, 7), (3, 4), (8, 8), (16, 3)])
+def test_greedy_equals_ar(pair, method, placement, policy, batch, d):
+    target, drafter = pair
+    prompts = prompts_for(batch, seed=batch * 31 + d)
+    want = ar_reference(target, prompts, 24)
+    eng = Engine(target, drafter, method=method, d=d, placement=placement, psd_policy=policy, max_len=512)
+    out = eng.generate(prompts, max_new_tokens=24)
+    assert out.tokens == want
+    st = out.stats
+    assert 1.0 <= st.tau <= d + 1
+    if method == "dpara":
+        assert st.fallback_rate == 0.0
+    assert sum(st.acceptance_histogram) > 0
+
+
+def test_acceptance_is_ragged_and_nontrivial(pair):
+    """The pair exercises every path: some rounds accept nothing, some accept many."""
+    target, drafter = pair
+    out = Engine(target, drafter, method="dpara", d=6).generate(prompts_for(8, seed=5), max_new_tokens=40)
+    hist = out.stats.acceptance_histogram
+    assert hist[0] > 0 and sum(hist[3:]) > 0, hist
+    assert 1.5 < out.stats.tau < 7
+
+
+@pytest.mark.parametrize("method", ["ar", "dspark", "psd", "dpara"])
+def test_eos_and_max_new_tokens_inside_a_block(pair, method):
+    target, drafter = pair
+    prompts = prompts_for(6, seed=11)
+    # An EOS id that the greedy continuations hit mid-way: take a token AR produces at step 3 of request 0.
+    plain = ar_reference(target, prompts, 30, eos=())
+    eos = plain[0][3]
+    want = ar_reference(target, prompts, 13, eos=(eos,))
+    assert want[0] == plain[0][:4]                           # request 0 stops on the EOS, EOS included
+    assert any(len(w) == 13 for w in want)                   # another stops exactly at max_new_tokens
+    eng = Engine(target, drafter if method != "ar" else drafter, method=method, d=7, eos_ids=[eos])
+    out = eng.generate(prompts, max_new_tokens=13)
+    assert out.tokens == want
+
+
+def test_streaming_yields_rounds_that_add_up(pair):
+    target, drafter = pair
+    prompts = prompts_for(3, seed=2)
+    eng = Engine(target, drafter, method="dpara", d=5)
+    chunks = list(eng.stream(prompts, max_new_tokens=20))
+    assert len(chunks) == eng.last_stats.rounds + 1                 # prefill's token, then one per round
+    joined = [sum((c[b] for c in chunks), []) for b in range(3)]
+    assert joined == ar_reference(target, prompts, 20)
+    assert any(len(c[0]) > 1 for c in chunks[1:])                  # rounds commit several tokens at once
+
+
+def test_stats_and_trace(pair):
+    target, drafter = pair
+    out = Engine(target, drafter, method="dpara", d=4).generate(prompts_for(2, seed=3), max_new_tokens=16,
+                                                                 trace=True)
+    st = out.stats
+    assert st.rounds > 0 and st.new_tokens == sum(map(len, out.tokens))
+    assert st.verify_ms > 0 and st.backbone_ms > 0 and st.markov_head_ms > 0
+    assert len(st.accept_per_position) == 4
+    assert all(a >= b for a, b in zip(st.accept_per_position, st.accept_per_position[1:]))
+    events = json.loads(st.trace)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e.get("name") for e in events}
+    assert {"verify", "backbone", "markov_head"} <= names
+
+
+def test_psd_counts_fallbacks_and_dpara_never_falls_back(pair):
+    target, drafter = pair
+    prompts = prompts_for(8, seed=9)
+    pearl = Engine(target, drafter, method="psd", psd_policy="pearl", d=6).generate(prompts, 32).stats
+    dp = Engine(target, drafter, method="dpara", d=6).generate(prompts, 32).stats
+    assert 0 < pearl.fallback_rate <= 1
+    assert dp.fallback_rate == 0
+
+
+def test_overlap_is_real_on_two_host_lanes():
+    """A target much wider than its drafter: the backbone must hide under verification on two cores."""
+    target, drafter = predictable_pair(hidden=256, layers=8, inter=1024, vocab=256)
+    prompts = prompts_for(4, seed=4, vocab=256, lo=20, hi=40)
+    eng = Engine(target, drafter, method="dpara", d=7)
+    eng.generate(prompts, 8)                       # warm-up
+    st = eng.generate(prompts, 48).stats
+    assert st.overlap_efficiency > 0.5, st
+    assert st.exposed_draft_ms < st.backbone_ms, st
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="beam"), "method 'beam'"),
+    (dict(d=0), "d = 0"),
+    (dict(d=33), "d = 33"),
+    (dict(temperature=-0.5), "temperature = -0.5"),
+    (dict(placement="everywhere"), "placement 'everywhere'"),
+    (dict(max_batch=17), "max_batch = 17"),
+    (dict(psd_policy="oracle", method="psd"), "psd_policy 'oracle'"),
+])
+def test_bad_engine_arguments(pair, kwargs, match):
+    target, drafter = pair
+    with pytest.raises(ValueError, match=match):
+        Engine(target, drafter, **kwargs)
+
+
+def test_bad_requests_fail_before_work(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4, max_batch=4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        eng.generate([[5, 6], []], 8)
+    with pytest.raises(ValueError, match="exceeds max_batch 4"):
+        eng.generate(prompts_for(5), 8)
+    with pytest.raises(ValueError, match="max_new_tokens = 0"):
+        eng.generate([[5]], 0)
+    # The engine still works after refusing.
+    assert eng.generate([[5, 6, 7]], 6).tokens == ar_reference(target, [[5, 6, 7]], 6)
+
+
+def test_drafter_must_match_target(pair):
+    target, _ = pair
+    _, other = predictable_pair(vocab=96)
+    with pytest.raises(ValueError, match="vocab size mismatch"):
+        Engine(target, other, method="dpara")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, None, method="dspark")
