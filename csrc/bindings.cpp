@@ -170,8 +170,12 @@ py::object dlpack_capsule(const TensorView& v, const py::object& dl_device, cons
                              ") differs from the view's device (" + std::to_string(int(have.device_type)) + ", " +
                              std::to_string(have.device_id) + ") and copies are not supported");
   }
-  PyObject* cap = PyCapsule_New(to_dlpack(v), "dltensor", dlpack_capsule_destructor);
-  if (!cap) throw py::error_already_set();
+  dlpack::DLManagedTensor* managed = to_dlpack(v);
+  PyObject* cap = PyCapsule_New(managed, "dltensor", dlpack_capsule_destructor);
+  if (!cap) {
+    managed->deleter(managed);
+    throw py::error_already_set();
+  }
   return py::reinterpret_steal<py::object>(cap);
 }
 

@@ -70,6 +70,19 @@ def test_exception_reraised_with_its_type_and_lane_keeps_working():
     lane.record().synchronize()
 
 
+def test_lane_misuse_from_its_own_tasks():
+    lane = HostLane("inner")
+    lane.submit(lambda: lane.synchronize())  # would wait for itself
+    with pytest.raises(RuntimeError, match="from one of its own tasks"):
+        lane.synchronize()
+    gate, survived = threading.Event(), threading.Event()
+    holder = [HostLane("self")]
+    holder[0].submit(lambda: (gate.wait(5), holder.clear()))  # drops the lane's last reference on its worker
+    holder[0].submit(survived.set)  # queued behind it: the worker still drains the queue
+    gate.set()
+    assert survived.wait(5) and holder == []
+
+
 def test_event_timestamps_and_elapsed():
     lane = HostLane()
     t0 = now_ns()

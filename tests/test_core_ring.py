@@ -31,6 +31,8 @@ def test_view_keeps_memory_alive_after_ring_is_gone():
     del ring
     gc.collect()
     assert t.sum().item() == 7.0 * 3 * 2 * 8
+    assert float(np.from_dlpack(BoundaryRing(1, 1, 1, 2).slot(0)).sum()) == 0.0  # numpy consumes it too
+    BoundaryRing(1, 1, 1, 2).view().__dlpack__()  # an unconsumed capsule frees its export when dropped
 
 
 def test_select_offsets_address_the_chosen_rows():

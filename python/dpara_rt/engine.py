@@ -24,7 +24,8 @@ from dpara_rt.models.drafter import check_target_compatible
 from dpara_rt.models.target import Target
 from dpara_rt.stats import Stats, summarize
 
-METHODS = ("ar", "dspark", "psd", "dpara")
+METHODS = ("ar", "dspark", "psd", "dpara", "auto")
+AUTO_CANDIDATES = ("dspark", "dpara")
 PLACEMENTS = ("split", "colocated")
 MAX_D = 32
 
@@ -74,9 +75,12 @@ class Engine:
         layer_ids = drafter.config.layer_ids if method != "ar" else ()
         self.target = Target(target, max_batch, max_len, layer_ids)
         self.target_lane, self.drafter_lane = self._lanes(threads_per_lane)
+        self.auto_choices: dict[int, str] = {}   # batch size -> method, for method="auto"
 
     @property
     def name(self) -> str:
+        if self.method == "auto":
+            return "auto" if self.placement == "split" else "auto-single"
         if self.method == "psd":
             return f"psd-{self.opts.psd_policy}"
         return "dpara-single" if self.method == "dpara" and self.placement == "colocated" else self.method
@@ -123,11 +127,31 @@ class Engine:
             raise ValueError(f"max_new_tokens = {max_new_tokens!r}; expected a positive integer")
         self._check_prompts(prompts)
         prompts = [list(map(int, p)) for p in prompts]
+        method = self.auto_choice(prompts) if self.method == "auto" else self.method
+        yield from self._decode(method, prompts, max_new_tokens, trace)
+        if self.method == "auto":
+            self.last_stats.method = f"{self.name}({method})"
+
+    def auto_choice(self, prompts: list[list[int]]) -> str:
+        """Adaptive mode: the first time a batch size is seen, time a short run of dspark and of dpara on these
+        prompts with the engine's placement, and keep the faster per committed token for that batch size."""
+        B = len(prompts)
+        if B not in self.auto_choices:
+            n = 4 * (self.opts.d + 1)
+            cost = {}
+            for method in AUTO_CANDIDATES:
+                for _ in self._decode(method, prompts, n, False):
+                    pass
+                cost[method] = self.last_stats.wall_s / max(self.last_stats.new_tokens, 1)
+            self.auto_choices[B] = min(cost, key=cost.get)
+        return self.auto_choices[B]
+
+    def _decode(self, method: str, prompts: list[list[int]], max_new_tokens: int, trace: bool):
         self.opts.max_new_tokens = max_new_tokens
         dec = Decoder(self.target, self.drafter, self.target_lane, self.drafter_lane, self.opts,
-                      needs_drafter=self.method != "ar")
+                      needs_drafter=method != "ar")
         rounds = {"ar": ar.run, "dspark": dspark.run, "dpara": dpara.run,
-                  "psd": lambda dec: psd.run(dec, self.opts.psd_policy, self.opts.ssd_fanout)}[self.method]
+                  "psd": lambda dec: psd.run(dec, self.opts.psd_policy, self.opts.ssd_fanout)}[method]
         new_tokens = 0
         t0 = time.perf_counter()
         with torch.inference_mode(), _main_thread_threads(1):
@@ -137,7 +161,8 @@ class Engine:
             for new in rounds(dec):
                 new_tokens += sum(map(len, new))
                 yield new
-        self.last_stats = summarize(dec, self.name, len(prompts), time.perf_counter() - t0, new_tokens, trace)
+        self.last_stats = summarize(dec, self.name if method == self.method else method, len(prompts),
+                                    time.perf_counter() - t0, new_tokens, trace)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, trace: bool = False) -> Output:
         tokens = [[] for _ in prompts]

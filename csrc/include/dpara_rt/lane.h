@@ -28,7 +28,8 @@ class Lane {
   virtual Event record() = 0;
   // Work queued after this call starts only once `e` has completed (e may come from any lane).
   virtual void wait(const Event& e) = 0;
-  // Block until everything queued so far has run, then rethrow a captured exception, if any.
+  // Block until everything queued so far has run, then rethrow a captured exception, if any. Called from
+  // one of the lane's own tasks it would wait for itself: std::runtime_error instead.
   virtual void synchronize() = 0;
   // Asynchronous copy of `bytes` bytes in lane order (a memcpy task on the host, cudaMemcpyAsync on CUDA).
   virtual void copy_async(void* dst, const void* src, std::size_t bytes) = 0;
@@ -46,7 +47,9 @@ void wait_on(const Event& e, Lane* lane);
 class HostLane final : public Lane {
  public:
   explicit HostLane(std::string name = "host");
-  ~HostLane() override;  // runs what is still queued, then joins the worker
+  // Runs what is still queued, then joins the worker (or lets it finish alone when the last reference to
+  // the lane is dropped by one of its own tasks).
+  ~HostLane() override;
 
   void submit(Task fn) override;
   Event record() override;
@@ -64,8 +67,8 @@ class HostLane final : public Lane {
 
  private:
   struct State;
-  std::unique_ptr<State> s_;
-  void loop();
+  static void run(State& s);  // the worker loop; touches only the shared state, never the lane object
+  std::shared_ptr<State> s_;  // shared with the worker thread, which may outlive the lane object
 };
 
 class CudaLane final : public Lane {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -428,12 +427,12 @@ class Drafter(nn.Module):
 
         ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
         h = self.backbone(tokens, positions, ctx_kv, attend)[:, d + 1:]
-        flat = None if out is None else out.view(b, (d + 1) * d, -1) if out.is_contiguous() else None
-        z = self.logits(h, out=flat)
         if out is None:
-            return z.view(shape)
-        if flat is None:
-            out.copy_(z.view(shape))
+            return self.logits(h).view(shape)
+        if out.is_contiguous():
+            self.logits(h, out=out.view(b, (d + 1) * d, -1))
+        else:
+            out.copy_(self.logits(h).view(shape))
         return out
 
 
@@ -527,5 +526,4 @@ def load_drafter_weights(drafter: Drafter, path: str | os.PathLike) -> None:
 
 __all__ = ["MASK_ID", "ContextCache", "Drafter", "DrafterConfig", "DrafterWarning", "check_target_compatible",
            "default_layer_ids", "dense_attend", "load_drafter", "load_drafter_weights", "read_drafter_config",
-           "save_drafter",
-           "serial_layout", "tree_layout"]
+           "save_drafter", "serial_layout", "tree_layout"]

@@ -48,7 +48,8 @@ class TinyPreset:
         hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True))
     pretrain: dict = field(default_factory=lambda: dict(seq_len=256, batch_size=16, lr=2e-3, warmup_steps=50,
-                                                        eval_every_steps=100, checkpoint_every_steps=50))
+                                                        eval_every_steps=150, eval_tokens=16384,
+                                                        checkpoint_every_steps=50))
     drafter: dict = field(default_factory=lambda: dict(num_layers=1, num_feature_layers=3, block_size=7,
                                                        markov_rank=128))
     prompt_len: int = 64              # drafter data: corpus snippets continued greedily by the target
