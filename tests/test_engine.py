@@ -151,3 +151,44 @@ def test_drafter_must_match_target(pair):
         Engine(target, other, method="dpara")
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(target, None, method="dspark")
+
+
+def test_auto_picks_a_method_per_batch_size_and_stays_exact(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="auto", d=5)
+    for batch in (1, 4):
+        prompts = prompts_for(batch, seed=20 + batch)
+        out = eng.generate(prompts, 20)
+        assert out.tokens == ar_reference(target, prompts, 20)
+        assert eng.auto_choices[batch] in ("dspark", "dpara")
+        assert out.stats.method == f"auto({eng.auto_choices[batch]})"
+
+
+def test_a_failing_round_surfaces_and_leaves_the_engine_usable(pair, monkeypatch):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4)
+    prompts = prompts_for(3, seed=13)
+    calls = {"n": 0}
+    real = type(drafter).boundary_logits
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected backbone failure")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter), "boundary_logits", flaky)
+    with pytest.raises(RuntimeError, match="injected backbone failure"):
+        eng.generate(prompts, 30)
+    monkeypatch.setattr(type(drafter), "boundary_logits", real)
+    assert eng.generate(prompts, 30).tokens == ar_reference(target, prompts, 30)
+
+
+def test_abandoning_a_stream_stops_the_rounds(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4)
+    prompts = prompts_for(2, seed=14)
+    stream = eng.stream(prompts, 40)
+    next(stream), next(stream)
+    stream.close()
+    assert eng.generate(prompts, 12).tokens == ar_reference(target, prompts, 12)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -28,6 +29,7 @@ METHODS = ("ar", "dspark", "psd", "dpara", "auto")
 AUTO_CANDIDATES = ("dspark", "dpara")
 PLACEMENTS = ("split", "colocated")
 MAX_D = 32
+GIL_SWITCH_S = 2e-4
 
 
 @dataclass
@@ -174,10 +176,13 @@ class Engine:
 
 @contextlib.contextmanager
 def _main_thread_threads(n: int):
-    # The caller's thread only orchestrates; the lanes set their own intra-op threads.
-    old = torch.get_num_threads()
+    # The caller's thread only drains results; the lanes set their own intra-op threads. The lanes hand the GIL
+    # to each other at every link, so a short switch interval keeps a waiting link from idling up to 5 ms.
+    old, old_switch = torch.get_num_threads(), sys.getswitchinterval()
     torch.set_num_threads(n)
+    sys.setswitchinterval(GIL_SWITCH_S)
     try:
         yield
     finally:
         torch.set_num_threads(old)
+        sys.setswitchinterval(old_switch)

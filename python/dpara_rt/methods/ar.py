@@ -85,16 +85,19 @@ def generate_ar(target: Target, prompts: list[list[int]], max_new_tokens: int, e
     return dec.outputs
 
 
+
 def run(dec):
-    """The engine's AR method: one target forward per token, on the target lane, through the shared round
-    state (so EOS / max_new_tokens, streaming and the timeline work exactly as for the speculative methods)."""
-    while dec.running():
+    """The engine's AR method: one target forward per token, chained on the target lane, through the shared
+    round state (so EOS / max_new_tokens, streaming and the timeline work exactly as for the speculative
+    methods)."""
+    def step():
         block = dec.bonus[:, None]
-
-        def step(block=block):
-            logits, _ = dec.target.verify(block)
-            return dec.pick(logits[:, 0])
-
-        tok = dec.wait(dec.target_lane, dec.on_lane(dec.target_lane, "verify", step))
+        logits, _ = dec.target.verify(block)
+        tok = dec.pick(logits[:, 0])
         _, _, new = dec.accept((None, None, (torch.zeros_like(tok), tok)), block)
-        yield new
+        dec.emit(new)
+        if dec.running():
+            dec.post(dec.target_lane, "verify", step)
+
+    dec.post(dec.target_lane, "verify", step)
+    yield from dec.drain()

@@ -8,6 +8,7 @@ it committed per request.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dpara_rt import _core, ops
-from dpara_rt.core import slot_tensor
+from dpara_rt.core import slot_tensor, staging_tensor
 from dpara_rt.models.target import Target
 from dpara_rt.sampling import make_generator, probs, sample
 
@@ -101,7 +102,9 @@ class Decoder:
         self.accepted: list[np.ndarray] = []   # r per request per round (-1 for requests not running)
         self.fallbacks = 0
         self._markov_offset = 0
-        self._lock = threading.Lock()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()   # per-round commits, None at the end, or an error
+        self.stopped = False
+        self._deferred = threading.local()   # links queued by a running link, submitted once its span closed
 
     # ------------------------------------------------------------------ timing
     def timed(self, phase: str, lane: Lane, fn: Callable[[], object]) -> Callable[[], object]:
@@ -129,6 +132,49 @@ class Decoder:
             lane.synchronize()
         return box["value"]
 
+    # ------------------------------------------------------------------ round chains
+    # A method runs as a chain of lane jobs, each queueing the next one (verify on the target lane, drafting on
+    # the drafter lane), so no round waits for the caller's thread; the caller only drains `results`.
+    def post(self, lane: Lane, phase: str, fn: Callable[[], None]):
+        """Queue a chain link on a lane. An error ends the decode and reaches the consumer of drain()."""
+        job = self.timed(phase, lane, fn)
+
+        def guarded():
+            if self.stopped:
+                return
+            self._deferred.links = []
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                self.stopped = True
+                self.results.put(e)
+            # Links this one queued go out after its span closed, so spans never include the next link's start.
+            for target_lane, link in self._deferred.links:
+                target_lane.submit(link)
+            self._deferred.links = None
+
+        if getattr(self._deferred, "links", None) is not None:
+            self._deferred.links.append((lane, guarded))
+        else:
+            lane.submit(guarded)
+
+    def emit(self, new: list[list[int]]):
+        self.results.put(new)
+        if not self.running():
+            self.results.put(None)
+
+    def drain(self):
+        """Yield each round's commits as the chain produces them; re-raise a chain error."""
+        try:
+            while (item := self.results.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.stopped = True  # an abandoned stream stops the chain at its next link
+            self.target_lane.synchronize()
+            self.drafter_lane.synchronize()
+
     # ------------------------------------------------------------------ start
     def start(self, prompts: list[list[int]]) -> list[list[int]]:
         """Prefill, pick each request's first token, load the drafter's context. Returns the first tokens."""
@@ -147,6 +193,11 @@ class Decoder:
         self.state.start(prompt_lens.numpy().astype(np.int64), first.numpy().astype(np.int64), committed)
         self.bonus = first
         if self.needs_drafter:
+            # Pinned staging (plain aligned memory on the CPU) carries (r, bonus), draft tokens and accepted
+            # features between the lanes; two phases so round k+1 never overwrites what round k's jobs read.
+            feature_bytes = B * (self.d + 1) * target.feature_dim * feats.element_size()
+            self.staging = _core.Staging(B, self.d, max(feature_bytes, 1),
+                                         -1 if target.device.type == "cpu" else target.device.index or 0)
             self.cache = self.drafter.new_context_cache(B, target.max_len)
             self.ring = _core.BoundaryRing(self.ring_capacity, B, self.d, self.drafter.config.vocab_size,
                                            _dtype_name(self.drafter.fc.weight.dtype),
@@ -183,21 +234,28 @@ class Decoder:
         return draft.cpu(), q
 
     def draft_serial(self, n: int | None = None, with_logits: bool = False):
-        """DSpark drafting of n (default d) tokens: backbone with the real bonus as anchor, then the Markov head,
-        on the drafter lane. Returns (draft, q), plus the backbone logits when asked."""
-        n = n or self.d
+        """DSpark drafting of n (default d) tokens, run on the drafter lane by the caller: backbone with the real
+        bonus as anchor, then the Markov head. Returns (draft, q), plus the backbone logits when asked."""
+        logits = self.drafter.block_logits(self.cache, self.bonus, n or self.d)
+        draft, q = self.markov(logits[:, None], torch.zeros_like(self.bonus), self.bonus)
+        return (draft, q, logits) if with_logits else (draft, q)
 
-        def job():
-            logits = self.drafter.block_logits(self.cache, self.bonus, n)
-            draft, q = self.markov(logits[:, None], torch.zeros_like(self.bonus), self.bonus)
-            return (draft, q, logits) if with_logits else (draft, q)
-        return self.wait(self.drafter_lane, self.on_lane(self.drafter_lane, "serial_draft", job))
+    def verify_and_accept(self, block: Tensor, q: Tensor | None, slot: int = -1):
+        """Target-lane link: verify the block, commit the round and hand its tokens to the consumer.
+        Returns (r, bonus), or None once every request has finished."""
+        verified = self.verify_job(block, q)()
+        r, bonus, new = self.accept(verified, block, slot)
+        self.emit(new)
+        return (r, bonus) if self.running() else None
 
     # ------------------------------------------------------------------ verification
     def verify_job(self, block: Tensor, q: Tensor | None) -> Callable[[], tuple]:
         """Target forward over the block plus the acceptance inputs, as one target-lane job."""
+        phase = self.round % 2
+
         def job():
             logits, feats = self.target.verify(block)
+            feats = self.stage_features(feats, phase)
             if not self.sampling:
                 return logits.argmax(-1).cpu(), feats, None
             p = probs(logits, self.opts.temperature, self.opts.top_p)
@@ -209,6 +267,24 @@ class Decoder:
                                          u_bonus.to(p.device))
             return None, feats, (r.cpu(), bonus.cpu())
         return job
+
+    def stage_features(self, feats: Tensor, phase: int) -> Tensor:
+        """Copy the verified block's features into a staging phase (device -> pinned host on CUDA)."""
+        view = staging_tensor(self.staging, "features", phase, dtype=feats.dtype)[:feats.numel()].view(feats.shape)
+        view.copy_(feats, non_blocking=True)
+        return view
+
+    def stage_outcome(self, r: Tensor, bonus: Tensor) -> Tensor:
+        """(r, bonus) per request into the staging buffer the drafter lane reads; returns that int32 [B, 2] view."""
+        rb = staging_tensor(self.staging, "rb", self.round % 2)
+        rb[:, 0], rb[:, 1] = r, bonus
+        return rb
+
+    def stage_draft(self, draft: Tensor) -> Tensor:
+        """Draft tokens into staging, where the next verify reads them; returns them as long [B, d]."""
+        view = staging_tensor(self.staging, "draft", self.round % 2)
+        view.copy_(draft)
+        return view.long()
 
     def accept(self, verified: tuple, block: Tensor, slot: int = -1) -> tuple[Tensor, Tensor, list[list[int]]]:
         """Commit the round: the C++ round state accepts (greedy) or takes the sampled (r, bonus), stops at EOS or
@@ -232,6 +308,7 @@ class Decoder:
         self.target.commit(keep)
         self.accepted.append(np.where(running.numpy(), r, -1))
         self.bonus = torch.where(running, bonus_t, self.bonus)
+        self.last_r = r_t
         self.feats, self.keep = feats, keep
         new = [self.state.output(b)[before[b]:before[b] + int(committed[b])] for b in range(B)]
         self.round += 1
@@ -241,7 +318,8 @@ class Decoder:
         """A drafter-lane job giving the drafter the features of the tokens the last round accepted (bound now:
         the next round overwrites them before a busy lane may get to it)."""
         cache, feats, keep = self.cache, self.feats, self.keep
-        return lambda: self.drafter.extend_context(cache, feats, keep)
+        dev = self.drafter.fc.weight.device
+        return lambda: self.drafter.extend_context(cache, feats.to(dev, non_blocking=True), keep)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -6,11 +6,16 @@ from dpara_rt.methods.common import Decoder
 
 
 def run(dec: Decoder):
-    while dec.running():
+    def draft():  # drafter lane
         draft, q = dec.draft_serial()
         block = dec.block(draft)
-        verified = dec.wait(dec.target_lane, dec.on_lane(dec.target_lane, "verify", dec.verify_job(block, q)))
-        _, _, new = dec.accept(verified, block)
-        # The accepted tokens' features must reach the drafter before it can draft again.
-        dec.wait(dec.drafter_lane, dec.on_lane(dec.drafter_lane, "context", dec.context_job()))
-        yield new
+        dec.post(dec.target_lane, "verify", lambda: verify(block, q))
+
+    def verify(block, q):  # target lane
+        if dec.verify_and_accept(block, q) is not None:
+            # The accepted tokens' features must reach the drafter before it can draft again.
+            dec.post(dec.drafter_lane, "context", dec.context_job())
+            dec.post(dec.drafter_lane, "serial_draft", draft)
+
+    dec.post(dec.drafter_lane, "serial_draft", draft)
+    yield from dec.drain()

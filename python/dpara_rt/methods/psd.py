@@ -82,35 +82,44 @@ def serial(dec: Decoder):
     return draft, q, draft_probs(dec, logits, dec.bonus, draft)
 
 
+def resolve(cands: list[tuple], r: Tensor, bonus: Tensor, running: Tensor):
+    """The prepared (draft, q, q_all) for the revealed outcome, or None when any running request missed."""
+    hit = torch.zeros_like(running)
+    src = torch.zeros(len(running), dtype=torch.long)
+    for i, (g_r, g_b, *_prepared) in enumerate(cands):
+        match = (g_r == r) & (g_b == bonus) & ~hit
+        src[match] = i
+        hit |= match
+    if not bool((hit | ~running).all()):
+        return None
+    rows = torch.arange(len(running))
+    pick = lambda k: None if cands[0][k] is None else torch.stack([c[k] for c in cands])[src, rows]
+    return pick(2), pick(3), pick(4)
+
+
 def run(dec: Decoder, policy: str = "pearl", fanout: int = 4):
     d = dec.d
-    draft, q, q_all = serial(dec)
-    while dec.running():
+
+    def launch(draft, q, q_all):  # drafter lane: verify the draft, draft for the guesses meanwhile
         block = dec.block(draft[:, :d])
-        prepared = dec.on_lane(dec.drafter_lane, "guess_draft",
-                               lambda b=block, t=draft, p=q_all: prepare(dec, b, t, p, policy, fanout))
-        verified = dec.wait(dec.target_lane, dec.on_lane(
-            dec.target_lane, "verify", dec.verify_job(block, None if q is None else q[:, :d])))
-        r, bonus, new = dec.accept(verified, block)
-        running = dec.running_mask()
-        dec.on_lane(dec.drafter_lane, "context", dec.context_job())
-        cands = dec.wait(dec.drafter_lane, prepared)
-        hit = torch.zeros_like(running)
-        draft, q, q_all = draft.clone(), q, q_all
-        picked = [None] * len(running)
-        for i, (g_r, g_b, *_rest) in enumerate(cands):
-            match = (g_r == r) & (g_b == bonus) & ~hit
-            for b in match.nonzero().flatten().tolist():
-                picked[b] = i
-            hit |= match
-        if bool((hit | ~running).all()):
-            rows = torch.arange(len(running))
-            src = torch.tensor([p if p is not None else 0 for p in picked])
-            draft = torch.stack([c[2] for c in cands])[src, rows]
-            q_all = torch.stack([c[4] for c in cands])[src, rows]
-            q = None if cands[0][3] is None else torch.stack([c[3] for c in cands])[src, rows]
-        else:
+        prepared: dict = {}
+        dec.post(dec.target_lane, "verify", lambda: verify(block, None if q is None else q[:, :d], prepared))
+        dec.post(dec.drafter_lane, "guess_draft",
+                 lambda: prepared.update(cands=prepare(dec, block, draft, q_all, policy, fanout)))
+
+    def verify(block, q, prepared):  # target lane
+        outcome = dec.verify_and_accept(block, q)
+        if outcome is not None:
+            running = dec.running_mask()
+            dec.post(dec.drafter_lane, "context", dec.context_job())
+            dec.post(dec.drafter_lane, "resolve", lambda: next_round(prepared, *outcome, running))
+
+    def next_round(prepared, r, bonus, running):  # drafter lane, after the guesses and the context update
+        nxt = resolve(prepared["cands"], r, bonus, running)
+        if nxt is None:  # a miss stalls the whole batch: serial drafting on the critical path
             dec.fallbacks += 1
-            draft, q, q_all = serial(dec)
-        yield new
-    dec.drafter_lane.synchronize()
+            nxt = dec.timed("serial_draft", dec.drafter_lane, lambda: serial(dec))()
+        launch(*nxt)
+
+    dec.post(dec.drafter_lane, "serial_draft", lambda: launch(*serial(dec)))
+    yield from dec.drain()
