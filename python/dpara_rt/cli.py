@@ -13,6 +13,11 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: the user sees what was wrong
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _positive(name):
     def parse(text):
         try:
@@ -23,6 +28,13 @@ def _positive(name):
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
         return v
     return parse
+
+
+def _batch(text):
+    v = _positive("--batch")(text)
+    if v > 16:
+        raise argparse.ArgumentTypeError(f"--batch must be at most 16, got {v}")
+    return v
 
 
 def _out_dir(path: str) -> str:
@@ -41,7 +53,7 @@ def _load_pair(args):
         drafter = load_drafter(args.drafter, target) if args.drafter else None
         tokenizer = _hf_tokenizer(args.target)
         return tokenizer, target, drafter
-    return load_tiny()
+    return load_tiny(root=getattr(args, "models", None))
 
 
 def _hf_tokenizer(path):
@@ -137,16 +149,17 @@ def cmd_bench(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpara-rt", description="DPara parallel speculative decoding runtime")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="dpara-rt", description="DPara parallel speculative decoding runtime")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="compare every method on HumanEval prompts with the embedded pair")
     demo.add_argument("--prompts", type=_positive("--prompts"), default=16)
     demo.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
-    demo.add_argument("--batch", type=_positive("--batch"), default=1)
+    demo.add_argument("--batch", type=_batch, default=1)
     demo.add_argument("--temperature", type=float, default=0.0)
     demo.add_argument("--d", type=_positive("--d"), default=7)
     demo.add_argument("--out", default="out/demo")
+    demo.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
     demo.set_defaults(fn=cmd_demo)
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
@@ -158,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--d", type=_positive("--d"), default=7)
     gen.add_argument("--target", help="a Hugging Face Qwen3 directory (default: the embedded pair)")
     gen.add_argument("--drafter", help="a dpara_rt drafter directory for --target")
+    gen.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
     gen.set_defaults(fn=cmd_generate)
 
     info = sub.add_parser("info", help="build info, lanes, embedded models")

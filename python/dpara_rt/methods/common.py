@@ -214,7 +214,7 @@ class Decoder:
         return self.state.num_running() > 0
 
     def running_mask(self) -> Tensor:
-        return torch.tensor([not self.state.finished(b) for b in range(self.state.batch())])
+        return torch.from_numpy(~np.asarray(self.state.finished(), dtype=bool))
 
     def block(self, draft: Tensor) -> Tensor:
         """The verify block [b, t1..td] per request."""
@@ -297,7 +297,6 @@ class Decoder:
         r = np.zeros(B, dtype=np.int64)
         bonus = np.zeros(B, dtype=np.int64)
         committed = np.zeros(B, dtype=np.int64)
-        before = [len(self.state.output(b)) for b in range(B)]
         if sampled is None:
             self.state.step(np.ascontiguousarray(argmax.numpy(), dtype=np.int64), slot, r, bonus, committed)
         else:
@@ -310,7 +309,9 @@ class Decoder:
         self.bonus = torch.where(running, bonus_t, self.bonus)
         self.last_r = r_t
         self.feats, self.keep = feats, keep
-        new = [self.state.output(b)[before[b]:before[b] + int(committed[b])] for b in range(B)]
+        # What a round commits is a prefix of t1..tr, bonus (cut at EOS / max_new_tokens).
+        rows, rl, cl = draft.tolist(), r.tolist(), committed.tolist()
+        new = [(rows[b][:rl[b]] + [int(bonus[b])])[:cl[b]] for b in range(B)]
         self.round += 1
         return r_t, self.bonus, new
 

@@ -1,0 +1,98 @@
+"""The `dpara-rt` command line: bad input gives one line and a non-zero exit, never a traceback; the main
+commands run on the embedded pair."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dpara_rt.assets import TINY_DIR
+
+
+def cli(*args, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "dpara_rt.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def one_line_error(rc, err, *fragments):
+    assert rc != 0
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) <= 2, err  # argparse prints usage + the error; our errors are one line
+    for f in fragments:
+        assert f in err, err
+
+
+@pytest.fixture(scope="module")
+def damaged_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny") / "tiny"
+    shutil.copytree(TINY_DIR, root)
+    weights = sorted(root.rglob("*.safetensors"))[0]
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return root, weights
+
+
+def test_damaged_model_file(damaged_models):
+    root, weights = damaged_models
+    rc, _, err = cli("generate", "def f(x):", "--models", str(root), "--max-new-tokens", "4")
+    one_line_error(rc, err, weights.name, "damaged")
+
+
+def test_missing_model_file(tmp_path):
+    root = tmp_path / "tiny"
+    shutil.copytree(TINY_DIR, root)
+    victim = sorted(root.rglob("*.safetensors"))[-1]
+    victim.unlink()
+    rc, _, err = cli("demo", "--models", str(root), "--out", str(tmp_path / "o"))
+    one_line_error(rc, err, victim.name, "missing")
+
+
+def test_unknown_method():
+    rc, _, err = cli("generate", "x = 1", "--method", "beam")
+    one_line_error(rc, err, "unknown method 'beam'")
+
+
+def test_out_pointing_at_a_file(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("")
+    rc, _, err = cli("demo", "--out", str(f))
+    one_line_error(rc, err, "is a file")
+
+
+@pytest.mark.parametrize("batch", ["0", "17"])
+def test_bad_batch(batch, tmp_path):
+    rc, _, err = cli("demo", "--batch", batch, "--out", str(tmp_path))
+    one_line_error(rc, err, "--batch")
+
+
+def test_generate_streams_text_equal_to_ar():
+    rc, out_ar, err = cli("generate", "def add(a, b):", "--method", "ar", "--max-new-tokens", "24")
+    assert rc == 0, err
+    rc, out_dp, err = cli("generate", "def add(a, b):", "--method", "dpara", "--max-new-tokens", "24")
+    assert rc == 0, err
+    assert out_dp == out_ar and out_dp.startswith("def add(a, b):")
+    assert "tau" in err
+
+
+def test_info():
+    rc, out, err = cli("info")
+    assert rc == 0, err
+    assert "cuda_compiled" in out and "embedded pair" in out
+
+
+def test_demo_small_run_writes_json_and_png(tmp_path):
+    rc, out, err = cli("demo", "--prompts", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "greedy outputs identical to ar: yes" in out
+    rows = json.loads((tmp_path / "demo.json").read_text())
+    assert [r["method"] for r in rows] == ["ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single"]
+    for r in rows:
+        assert r["identical_to_ar"] is True
+        assert {"tokens_per_s", "speedup", "tau", "exposed_draft_ms", "fallback_rate", "overlap_efficiency",
+                "fraction_of_ideal"} <= set(r)
+    assert next(r for r in rows if r["method"] == "dpara")["fallback_rate"] == 0
+    assert (tmp_path / "anatomy.png").stat().st_size > 1000
