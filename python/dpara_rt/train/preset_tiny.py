@@ -128,13 +128,14 @@ def _train_stage(fn, drafter, data, heldout, knobs: dict, d: int, seconds: float
 def run_tiny_preset(out_dir=TINY_DIR, target_minutes: float = 28.0, drafter_minutes: float = 28.0,
                     work_dir=None, threads: int = 2, resume: bool = False, command: str | None = None,
                     preset: TinyPreset | None = None) -> dict:
-    """Build the embedded pair into ``out_dir`` (replaced only once everything succeeded); return the manifest."""
+    """Build the embedded pair into ``out_dir`` (None: the package's assets/tiny; replaced only once everything
+    succeeded); return the manifest. ``command`` is recorded in the manifest (default: this process's argv)."""
     if not target_minutes > 0 or not drafter_minutes > 0:
         raise ValueError(f"target_minutes={target_minutes}, drafter_minutes={drafter_minutes}: both must be > 0")
     if threads < 1:
         raise ValueError(f"threads={threads}: expected a positive thread count")
     preset = preset or TinyPreset()
-    out_dir = Path(out_dir)
+    out_dir = TINY_DIR if out_dir is None else Path(out_dir)
     work = Path(work_dir) if work_dir else Path(tempfile.gettempdir()) / "dpara_rt_tiny_work"
     if work.resolve() == out_dir.resolve() or out_dir.resolve() in work.resolve().parents:
         raise ValueError(f"work_dir {work} is inside out_dir {out_dir}; checkpoints must stay out of the assets")
