@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from dpara_rt.compare import anatomy_png, humaneval_prompts, record, run_method, table
+from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_method, table
 
 GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "auto")
 SERIAL = ("ar", "dspark")
@@ -103,8 +103,7 @@ def main(argv=None) -> int:
         batches, temps, ds, resources = (1, 2, 4, 8, 16), (0.0, 1.0), (4, 7), ("paper", "matched")
         n_prompts, max_new = args.prompts or 32, args.max_new_tokens or 64
 
-    from dpara_rt.assets import load_tiny
-    tokenizer, target, drafter = load_tiny()
+    tokenizer, target, drafter = load_pair()
     prompts = humaneval_prompts(tokenizer, n_prompts)
     rows = []
     log = lambda msg: print(msg, file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ def _out_dir(path: str) -> str:
 
 
 def _load_pair(args):
-    from dpara_rt.assets import load_tiny
+    from dpara_rt.compare import load_pair
     if getattr(args, "target", None):
         from dpara_rt.models.drafter import load_drafter
         from dpara_rt.models.loader import load_qwen3
@@ -53,7 +53,7 @@ def _load_pair(args):
         drafter = load_drafter(args.drafter, target) if args.drafter else None
         tokenizer = _hf_tokenizer(args.target)
         return tokenizer, target, drafter
-    return load_tiny(root=getattr(args, "models", None))
+    return load_pair(getattr(args, "models", None))
 
 
 def _hf_tokenizer(path):

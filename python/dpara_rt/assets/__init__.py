@@ -65,12 +65,15 @@ def verify_assets(root: str | os.PathLike = TINY_DIR) -> dict:
     return manifest
 
 
-def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = None):
+def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = None, drafter_dtype=None):
     """Verify and load the embedded pair -> (CodeTokenizer, Qwen3ForCausalLM target, Drafter), in eval mode.
 
-    The weights are stored in bf16; ``dtype`` is what they are computed in (fp32 by default)."""
+    The weights are stored in bf16; ``dtype`` is what the target computes in (fp32 by default, so that a
+    verify block and single-token decoding round alike and greedy outputs match AR exactly) and
+    ``drafter_dtype`` what the drafter computes in (default: the target's). The drafter's precision only
+    changes which tokens are proposed, never what is committed."""
     from dpara_rt.models.drafter import load_drafter
-    from dpara_rt.models.loader import load_qwen3
+    from dpara_rt.models.loader import load_qwen3, resolve_dtype
     from dpara_rt.train.tokenizer import CodeTokenizer
 
     root = TINY_DIR if root is None else Path(root)
@@ -79,7 +82,8 @@ def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = No
     try:
         tokenizer = CodeTokenizer.from_file(root / layout["tokenizer"])
         target = load_qwen3(root / layout["target"], dtype=dtype, device=device)
-        drafter = load_drafter(root / layout["drafter"], target)
+        drafter = load_drafter(root / layout["drafter"], target,
+                               dtype=None if drafter_dtype is None else resolve_dtype(drafter_dtype))
     except KeyError as e:
         raise AssetError(f"embedded model manifest in {root} has no layout entry {e}; {REGENERATE_HINT}") from None
     if tokenizer.vocab_size != target.config.vocab_size:

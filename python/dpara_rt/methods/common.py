@@ -102,6 +102,7 @@ class Decoder:
         self.accepted: list[np.ndarray] = []   # r per request per round (-1 for requests not running)
         self.fallbacks = 0
         self._markov_offset = 0
+        self._markov_weights: tuple[Tensor, Tensor] | None = None
         self.results: queue.SimpleQueue = queue.SimpleQueue()   # per-round commits, None at the end, or an error
         self.stopped = False
         self._deferred = threading.local()   # links queued by a running link, submitted once its span closed
@@ -224,12 +225,15 @@ class Decoder:
     def pick(self, logits: Tensor) -> Tensor:
         return sample(logits, self.opts.temperature, self.opts.top_p, self.generator).cpu()
 
-    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor, d: int | None = None):
-        """Draft d tokens from boundary logits [B, R1, d, V] at rows r, starting from the bonus."""
-        w1, w2 = self.drafter.markov_parameters
+    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor):
+        """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus."""
+        if self._markov_weights is None:
+            # The head accumulates in fp32: convert its rank-R factors once per call, not once per round.
+            self._markov_weights = tuple(w.detach().float() for w in self.drafter.markov_parameters)
+        w1, w2 = self._markov_weights
         dev = boundary.device
         self._markov_offset += 1
-        draft, q = ops.markov_head(boundary, r.to(dev), bonus.to(dev), w1.detach(), w2.detach(),
+        draft, q = ops.markov_head(boundary, r.to(dev), bonus.to(dev), w1, w2,
                                    self.opts.temperature, self.opts.seed, self._markov_offset)
         return draft.cpu(), q
 
