@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         return 2
     if args.quick:
         batches, temps, ds, resources = (1, 16), (0.0,), (7,), ("paper", "matched")
-        n_prompts, max_new = args.prompts or 16, args.max_new_tokens or 24
+        n_prompts, max_new = args.prompts or 16, args.max_new_tokens or 48
     else:
         batches, temps, ds, resources = (1, 2, 4, 8, 16), (0.0, 1.0), (4, 7), ("paper", "matched")
         n_prompts, max_new = args.prompts or 32, args.max_new_tokens or 64

@@ -57,6 +57,15 @@ class TrainResult:
     taus: list[float] = field(default_factory=list)     # held-out tau after each epoch
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params, grad_clip: float | None) -> None:
+    """Backward, optional gradient clipping, one optimizer step (shared by every training loop here)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+
+
 def train_stage1(drafter: Drafter, data: TrainData, config: TrainConfig | None = None,
                  eval_data: TrainData | None = None) -> TrainResult:
     """DSpark: train the backbone and the Markov head on random-anchor serial blocks."""
@@ -145,11 +154,7 @@ def _train(drafter: Drafter, data: TrainData, cfg: TrainConfig, eval_data: Train
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + result.step)
         anchors = sample_anchors(data, index, layout, cfg.anchors_per_sequence, g)
         loss = layout_loss(drafter, data, index, anchors, layout, cfg.ce_weight, cfg.tv_weight, cfg.temperature)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        optimizer_step(opt, loss, params, cfg.grad_clip)
         result.step += 1
         result.losses.append(loss.item())
         bar.update(1)

@@ -20,6 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
+from dpara_rt.train.loop import optimizer_step
 
 STATE_NAME = "pretrain_state.pt"
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -224,11 +225,7 @@ def pretrain(model: Qwen3ForCausalLM, train_stream: Tensor, heldout_stream: Tens
         # the batch is a function of (seed, step) only, so a resumed run draws the same windows
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + result.step)
         loss = lm_loss(model, sample_windows(train_stream, cfg.batch_size, cfg.seq_len, g), result.precision)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        optimizer_step(opt, loss, params, cfg.grad_clip)
         result.step += 1
         result.tokens_seen += cfg.batch_size * cfg.seq_len
         result.losses.append(loss.item())
