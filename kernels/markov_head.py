@@ -39,12 +39,15 @@ def markov_head_reference(boundary, r, bonus, w1, w2, temperature: float = 0.0, 
     draft = torch.empty(batch, d, dtype=torch.long, device=device)
     q = torch.empty(batch, d, vocab, dtype=torch.float32, device=device) if sample else None
     cols = torch.arange(vocab, device=device)
+    if sample:  # the noise does not depend on the drafted tokens: draw all d steps in one vectorised pass
+        steps = torch.arange(d, device=device)
+        noise = gumbel(((rows[:, None, None] * d + steps[None, :, None]) * vocab + cols), offset, seed)
     for j in range(d):
         z = boundary[rows, slot_r, j].float() + w1[x].float() @ w2f
         if sample:
             z = z * inv_t
             q[:, j] = torch.softmax(z, dim=-1)
-            z = z + gumbel((rows[:, None] * d + j) * vocab + cols[None, :], offset, seed)
+            z = z + noise[:, j]
         x = z.argmax(dim=-1)
         draft[:, j] = x
     return draft, q

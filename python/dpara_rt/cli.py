@@ -78,6 +78,9 @@ def cmd_demo(args):
                                        progress=bar.update, d=args.d, temperature=args.temperature,
                                        max_len=max(map(len, prompts)) + args.max_new_tokens + 4 * args.d + 8)
     rows = [record(res, results["ar"]) for res in results.values()]
+    if args.temperature > 0:
+        for r in rows:  # sampled outputs differ from ar's by design; losslessness is what the tests check
+            r["identical_to_ar"] = None
     print(f"\nHumanEval, {len(prompts)} prompts, batch {args.batch}, d = {args.d}, temperature {args.temperature}, "
           f"max_new_tokens {args.max_new_tokens}\n")
     print(table(rows))
