@@ -96,3 +96,18 @@ def test_demo_small_run_writes_json_and_png(tmp_path):
                 "fraction_of_ideal"} <= set(r)
     assert next(r for r in rows if r["method"] == "dpara")["fallback_rate"] == 0
     assert (tmp_path / "anatomy.png").stat().st_size > 1000
+
+
+def test_bench_forwards_its_options_and_writes_records(tmp_path):
+    rc, out, err = cli("bench", "--quick", "--prompts", "2", "--max-new-tokens", "8", "--methods",
+                       "ar,dspark,dpara,auto", "--out", str(tmp_path))
+    assert rc == 0, err
+    rows = json.loads((tmp_path / "e2e.json").read_text())
+    keys = {"method", "batch", "temperature", "d", "resources", "speedup", "tau", "exposed_draft_ms",
+            "fallback_rate", "overlap_efficiency", "fraction_of_ideal"}
+    assert rows and all(keys <= set(r) for r in rows)
+    assert {(r["resources"], r["batch"]) for r in rows} == {("paper", 1), ("paper", 16), ("matched", 1), ("matched", 16)}
+    assert all(r["fallback_rate"] == 0 for r in rows if r["method"] == "dpara")
+    assert (tmp_path / "speedup_vs_batch.png").exists()
+    rc, _, err = cli("bench", "--out", str(tmp_path), "--methods", "dspark")
+    one_line_error(rc, err, "'ar' missing")

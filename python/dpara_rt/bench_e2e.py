@@ -79,7 +79,7 @@ def plot(rows: list[dict], out: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="dpara-rt bench", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output directory (e2e.json and PNG plots)")
     p.add_argument("--quick", action="store_true", help="greedy, d = 7, batch 1 and 16 only (CI smoke run)")
     p.add_argument("--prompts", type=int, default=None, help="HumanEval prompts per configuration")

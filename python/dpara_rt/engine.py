@@ -129,17 +129,17 @@ class Engine:
             raise ValueError(f"max_new_tokens = {max_new_tokens!r}; expected a positive integer")
         self._check_prompts(prompts)
         prompts = [list(map(int, p)) for p in prompts]
-        method = self.auto_choice(prompts) if self.method == "auto" else self.method
+        method = self.auto_choice(prompts, max_new_tokens) if self.method == "auto" else self.method
         yield from self._decode(method, prompts, max_new_tokens, trace)
         if self.method == "auto":
             self.last_stats.method = f"{self.name}({method})"
 
-    def auto_choice(self, prompts: list[list[int]]) -> str:
+    def auto_choice(self, prompts: list[list[int]], max_new_tokens: int) -> str:
         """Adaptive mode: the first time a batch size is seen, time a short run of dspark and of dpara on these
         prompts with the engine's placement, and keep the faster per committed token for that batch size."""
         B = len(prompts)
         if B not in self.auto_choices:
-            n = 4 * (self.opts.d + 1)
+            n = min(4 * (self.opts.d + 1), max_new_tokens)  # short, and within what the cache was sized for
             cost = {}
             for method in AUTO_CANDIDATES:
                 for _ in self._decode(method, prompts, n, False):
