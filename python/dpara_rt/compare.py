@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from dpara_rt.engine import Engine
-from dpara_rt.stats import Stats
+from dpara_rt.stats import Stats, fraction_of_ideal
 
 # name -> Engine keyword arguments
 METHOD_SPECS = {
@@ -80,8 +80,6 @@ def record(res: MethodResult, ar: MethodResult) -> dict:
     tps = lambda m: m.new_tokens / m.wall_s if m.wall_s else 0.0
     speedup = tps(res) / tps(ar) if tps(ar) else 0.0
     verify = res.mean("verify_ms")
-    ar_step = ar.mean("verify_ms")
-    ideal = res.tau * ar_step / verify if verify else 0.0
     return {
         "method": res.method,
         "tokens_per_s": res.new_tokens / res.wall_s if res.wall_s else 0.0,
@@ -93,7 +91,7 @@ def record(res: MethodResult, ar: MethodResult) -> dict:
         "backbone_ms": res.mean("backbone_ms"),
         "fallback_rate": res.mean("fallback_rate"),
         "overlap_efficiency": res.mean("overlap_efficiency"),
-        "fraction_of_ideal": speedup / ideal if ideal else 0.0,
+        "fraction_of_ideal": fraction_of_ideal(speedup, res.tau, ar.mean("verify_ms"), verify),
         "identical_to_ar": res.tokens == ar.tokens,
     }
 

@@ -34,15 +34,19 @@ class Stats:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
     def fraction_of_ideal(self, speedup: float, ar_step_ms: float) -> float:
-        """Measured speedup / (tau * t_AR_step / t_verify): 1.0 means the drafter costs nothing."""
-        ideal = self.tau * ar_step_ms / self.verify_ms if self.verify_ms else 0.0
-        return speedup / ideal if ideal else 0.0
+        return fraction_of_ideal(speedup, self.tau, ar_step_ms, self.verify_ms)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("trace")
         out["tokens_per_s"] = self.tokens_per_s
         return out
+
+
+def fraction_of_ideal(speedup: float, tau: float, ar_step_ms: float, verify_ms: float) -> float:
+    """Measured speedup / (tau * t_AR_step / t_verify): 1.0 means the drafter costs nothing."""
+    ideal = tau * ar_step_ms / verify_ms if verify_ms else 0.0
+    return speedup / ideal if ideal else 0.0
 
 
 _DRAFT_PHASES = ("backbone", "serial_draft", "guess_draft")

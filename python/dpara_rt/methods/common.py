@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -247,30 +247,26 @@ class Decoder:
     def verify_and_accept(self, block: Tensor, q: Tensor | None, slot: int = -1):
         """Target-lane link: verify the block, commit the round and hand its tokens to the consumer.
         Returns (r, bonus), or None once every request has finished."""
-        verified = self.verify_job(block, q)()
+        verified = self.verify(block, q)
         r, bonus, new = self.accept(verified, block, slot)
         self.emit(new)
         return (r, bonus) if self.running() else None
 
     # ------------------------------------------------------------------ verification
-    def verify_job(self, block: Tensor, q: Tensor | None) -> Callable[[], tuple]:
-        """Target forward over the block plus the acceptance inputs, as one target-lane job."""
-        phase = self.round % 2
-
-        def job():
-            logits, feats = self.target.verify(block)
-            feats = self.stage_features(feats, phase)
-            if not self.sampling:
-                return logits.argmax(-1).cpu(), feats, None
-            p = probs(logits, self.opts.temperature, self.opts.top_p)
-            d = block.shape[1] - 1
-            u_accept = torch.rand(block.shape[0], d, generator=self.generator)
-            u_bonus = torch.rand(block.shape[0], generator=self.generator)
-            draft = block[:, 1:]
-            r, bonus = ops.verify_sample(p, q.to(p.device), draft.to(p.device), u_accept.to(p.device),
-                                         u_bonus.to(p.device))
-            return None, feats, (r.cpu(), bonus.cpu())
-        return job
+    def verify(self, block: Tensor, q: Tensor | None) -> tuple:
+        """Target forward over the block plus the acceptance inputs (argmax, or the sampled (r, bonus))."""
+        logits, feats = self.target.verify(block)
+        feats = self.stage_features(feats, self.round % 2)
+        if not self.sampling:
+            return logits.argmax(-1).cpu(), feats, None
+        p = probs(logits, self.opts.temperature, self.opts.top_p)
+        d = block.shape[1] - 1
+        u_accept = torch.rand(block.shape[0], d, generator=self.generator)
+        u_bonus = torch.rand(block.shape[0], generator=self.generator)
+        draft = block[:, 1:]
+        r, bonus = ops.verify_sample(p, q.to(p.device), draft.to(p.device), u_accept.to(p.device),
+                                     u_bonus.to(p.device))
+        return None, feats, (r.cpu(), bonus.cpu())
 
     def stage_features(self, feats: Tensor, phase: int) -> Tensor:
         """Copy the verified block's features into a staging phase (device -> pinned host on CUDA)."""

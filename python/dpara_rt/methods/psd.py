@@ -41,7 +41,7 @@ def guesses(dec: Decoder, draft: Tensor, q_all: Tensor, policy: str, fanout: int
     top_lp, top_b = logq_next.topk(k, dim=-1)                                             # [B, d+1, k]
     score = (prefix[:, :, None] + top_lp).reshape(B, -1)
     best = score.topk(min(fanout, score.shape[1]), dim=1).indices                          # [B, F]
-    r_idx, b_idx = best // k, best % k
+    r_idx = best // k
     bonus = top_b.reshape(B, -1).gather(1, best)
     return [(r_idx[:, i], bonus[:, i]) for i in range(best.shape[1])]
 
