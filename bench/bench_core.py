@@ -2,7 +2,7 @@
 
 One round = acquire a ring slot and mark it ready, set the spine's draft, the fused acceptance + commit
 (greedy acceptance, EOS / length checks, spine and position update, slot history), select the slot's rows
-for the Markov head, release the slot, and compute the tree rows' absolute positions. The C++ side is
+for the Markov head and release the slot. The C++ side is
 called from Python exactly as an engine calls it (numpy arrays in, caller-owned outputs).
 
     python bench/bench_core.py --out core.json [--rounds 2000] [--repeats 15]
@@ -49,7 +49,6 @@ def cpp_round(batch: int, d: int, total: int):
     ring = BoundaryRing(2, batch, d, VOCAB)
     # Caller-owned outputs, reused every round as an engine does.
     r, bonus, committed, offsets = (np.zeros(batch, dtype=np.int64) for _ in range(4))
-    positions = np.zeros((batch, (d + 1) ** 2), dtype=np.int64)
 
     def run_round(k: int) -> None:
         slot = ring.acquire()
@@ -58,7 +57,6 @@ def cpp_round(batch: int, d: int, total: int):
         state.step(argmax[k % POOL], slot, r, bonus, committed)
         ring.select(slot, r, offsets)
         ring.release(slot)
-        state.positions(positions)
 
     return run_round
 
@@ -77,7 +75,6 @@ def python_round(batch: int, d: int, total: int):
         r, _, _ = state.step(argmax[k % POOL], slot)
         ring.select(slot, r)
         ring.release(slot)
-        state.positions()
 
     return run_round
 

@@ -16,6 +16,7 @@
 #include "dpara_rt/ring.h"
 #include "dpara_rt/round_state.h"
 #include "dpara_rt/staging.h"
+#include "dpara_rt/types.h"
 
 namespace py = pybind11;
 using namespace dpara_rt;
@@ -211,6 +212,7 @@ PYBIND11_MODULE(_core, m) {
     d["cuda_status"] = info.cuda_status;
     return d;
   });
+  m.attr("MAX_DRAFT") = kMaxDraft;  // the draft limit of the whole runtime (types.h)
   m.def("now_ns", &now_ns, "Monotonic host clock (ns) shared by host events and the metrics timeline.");
 
   py::class_<Event>(m, "Event")
@@ -229,6 +231,10 @@ PYBIND11_MODULE(_core, m) {
       .def("record", &Lane::record, py::call_guard<py::gil_scoped_release>())
       .def("wait", &Lane::wait, py::arg("event"), py::call_guard<py::gil_scoped_release>())
       .def("synchronize", &Lane::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("copy_async", [](Lane& l, std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes) {
+             l.copy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+           }, py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
+           "Copy nbytes from src_ptr to dst_ptr (host or device addresses) in lane order.")
       .def_property_readonly("device", &Lane::device)
       .def_property_readonly("stream", &Lane::stream)
       .def_property_readonly("name", &Lane::name);
@@ -306,24 +312,22 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Staging>(m, "Staging")
       .def(py::init<int, int, std::size_t, int>(), py::arg("batch"), py::arg("d"), py::arg("feature_bytes"),
            py::arg("device") = -1)
-      .def_property_readonly("phase", &Staging::phase)
-      .def("flip", &Staging::flip)
       .def("view", [](const Staging& s, const std::string& region, int phase) {
              return s.view(parse_staging_region(region), phase);
-           }, py::arg("region"), py::arg("phase") = -1)
+           }, py::arg("region"), py::arg("phase"))
       .def("bytes", [](const Staging& s, const std::string& region) { return s.bytes(parse_staging_region(region)); },
            py::arg("region"))
       .def("data_ptr", [](const Staging& s, const std::string& region, int phase) {
              return reinterpret_cast<std::uintptr_t>(s.data(parse_staging_region(region), phase));
-           }, py::arg("region"), py::arg("phase") = -1)
+           }, py::arg("region"), py::arg("phase"))
       .def("copy_in", [](Staging& s, Lane& lane, const std::string& region, std::uintptr_t src, std::size_t nbytes,
                          int phase) {
              s.copy_in(lane, parse_staging_region(region), reinterpret_cast<const void*>(src), nbytes, phase);
-           }, py::arg("lane"), py::arg("region"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("phase") = -1)
+           }, py::arg("lane"), py::arg("region"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("phase"))
       .def("copy_out", [](Staging& s, Lane& lane, const std::string& region, std::uintptr_t dst, std::size_t nbytes,
                           int phase) {
              s.copy_out(lane, parse_staging_region(region), reinterpret_cast<void*>(dst), nbytes, phase);
-           }, py::arg("lane"), py::arg("region"), py::arg("dst_ptr"), py::arg("nbytes"), py::arg("phase") = -1)
+           }, py::arg("lane"), py::arg("region"), py::arg("dst_ptr"), py::arg("nbytes"), py::arg("phase"))
       .def_property_readonly("batch", &Staging::batch)
       .def_property_readonly("d", &Staging::d)
       .def_property_readonly("feature_bytes", &Staging::feature_bytes)
@@ -392,16 +396,6 @@ PYBIND11_MODULE(_core, m) {
              s.commit(expect_shape(r, {s.batch()}, "r"), expect_shape(bonus, {s.batch()}, "bonus"), slot, c.second);
              return c.first;
            }, py::arg("r"), py::arg("bonus"), py::arg("slot") = -1, py::arg("committed") = py::none())
-      .def("positions", [](const RoundState& s, const py::object& out) {
-             const py::ssize_t rows = s.tree().rows();
-             if (out.is_none()) {
-               auto a = new_array({s.batch(), rows});
-               s.positions(a.mutable_data());
-               return py::object(a);
-             }
-             s.positions(out_data(out, {s.batch(), rows}, "out"));
-             return out;
-           }, py::arg("out") = py::none(), "Absolute position of every tree row per request, [batch, (d+1)^2].")
       .def("spine", [](const RoundState& s) {
              auto out = new_array({s.batch(), s.d() + 1});
              for (int b = 0; b < s.batch(); ++b) std::copy(s.spine(b), s.spine(b) + s.d() + 1, out.mutable_data(b, 0));
@@ -444,6 +438,7 @@ PYBIND11_MODULE(_core, m) {
              if (r.ndim() != 1) throw py::value_error("r must be 1-D (one per request), got shape " + shape_str(r));
              mt.record_round(r.data(), std::int64_t(r.shape(0)), fallback);
            }, py::arg("r"), py::arg("fallback") = false)
+      .def("record_fallback", &Metrics::record_fallback)
       .def("histogram", [](const Metrics& mt) { return to_array(mt.histogram()); })
       .def("events", [](const Metrics& mt) {
              py::list out;

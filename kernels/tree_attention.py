@@ -1,4 +1,4 @@
-"""Tree-mask attention: the DPara backbone forward over the spine and the d+1 branches (DESIGN.md §1).
+"""Tree-mask attention: the DPara backbone forward over the spine and the d+1 branches (docs/design.md §1).
 
 Query rows (Q = (d+1) + (d+1)*d = (d+1)**2): spine rows 0..d, then branch r's d rows for r = 0..d.
 Keys: the cached context (ragged length per batch row) followed by the same Q tree tokens.
@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .. import _core
 from ._triton import cdiv, check_device, dot_options, kernel, load, num_sms
 
 tl = None  # bound to triton.language by _triton.load()
@@ -25,30 +26,16 @@ def tree_size(d: int) -> int:
     return (d + 1) * (d + 1)
 
 
-def _tree_index(d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(branch id or -1 for the spine, spine limit) of each tree row."""
-    i = torch.arange(tree_size(d), device=device)
-    is_branch = i > d
-    branch = torch.where(is_branch, (i - d - 1).div(max(d, 1), rounding_mode="floor"), -1)
-    return branch, torch.where(is_branch, branch, i)
-
-
 @functools.lru_cache(maxsize=64)
 def tree_mask(d: int, device: str = "cpu") -> torch.Tensor:
-    """Dense [Q, Q] bool mask of the tree part (True = may attend). Cached: do not modify it."""
-    branch, limit = _tree_index(d, device)
-    key = torch.arange(tree_size(d), device=device)
-    key_spine = key <= d
-    spine_visible = key_spine[None, :] & (key[None, :] <= limit[:, None])
-    branch_visible = ~key_spine[None, :] & (branch[None, :] == branch[:, None])
-    return spine_visible | branch_visible
+    """Dense [Q, Q] bool mask of the tree part (True = may attend), from the core's tree metadata, which owns
+    the layout. Cached: do not modify it."""
+    return torch.from_numpy(_core.tree_mask(d)).to(device=device, dtype=torch.bool)
 
 
 def tree_position_offsets(d: int, device=None) -> torch.Tensor:
     """Position of each tree row relative to the first spine token: spine i at i, branch r's j-th token at r+1+j."""
-    i = torch.arange(tree_size(d), device=device)
-    branch, _ = _tree_index(d, device)
-    return torch.where(i <= d, i, branch + 1 + (i - d - 1 - branch * d))
+    return torch.from_numpy(_core.tree_metadata(d)["query_pos_offset"]).to(device=device, dtype=torch.long)
 
 
 def _sdpa(q, k, v, mask, scale):

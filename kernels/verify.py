@@ -1,4 +1,4 @@
-"""Verification of a draft block against the target's d+1 next-token distributions (DESIGN.md §1).
+"""Verification of a draft block against the target's d+1 next-token distributions (docs/design.md §1).
 
 Greedy: r = longest prefix with draft[i] == argmax(target_logits[i]); bonus = argmax(target_logits[r]).
 Lossless sampling (speculative sampling): accept t_i while u_accept[i-1] * q_i(t_i) < p_{i-1}(t_i)

@@ -1,5 +1,7 @@
-"""Host lanes and events through the bindings: FIFO order, cross-lane waits, Python exceptions re-raised
-with their own type, the GIL released while Python is not running (real overlap), clean interpreter exit."""
+"""Host lanes and events through the bindings: FIFO order, cross-lane waits, calls from a lane's own task
+(record / wait / copy act at the task's position), Python exceptions re-raised with their own type, the GIL
+released while Python is not running (real overlap), CUDA lanes (ordering with events when a device exists,
+a clear error otherwise), clean interpreter exit."""
 import subprocess
 import sys
 import threading
@@ -97,19 +99,99 @@ def test_event_timestamps_and_elapsed():
         Event.elapsed_ms(Event(), end)
 
 
-def test_cuda_lane_without_device_names_index_and_status():
-    if _core.build_info()["cuda_devices"] > 0:
-        pytest.skip("a CUDA device is present: the no-device error cannot happen")
-    status = _core.build_info()["cuda_status"]
-    with pytest.raises(RuntimeError, match="CUDA device 1") as err:
-        _core.CudaLane(1)
-    if _core.build_info()["cuda_compiled"]:
-        # e.g. "cudaGetDeviceCount returned 35 (CUDA driver version is insufficient ...)"
-        assert "cudaGetDeviceCount returned" in str(err.value), str(err.value)
-        assert status.split("(")[-1].rstrip(")") in str(err.value)
-    with pytest.raises(RuntimeError, match="CUDA device 0"):
-        make_lane("cuda:0")
-    assert isinstance(make_lane("cpu"), HostLane)
+def test_record_inside_a_task_is_complete_with_work_queued_behind():
+    """A task is its lane's position: its record() marks the point right after it, like an event recorded on
+    a CUDA stream by the code feeding that stream."""
+    lane = HostLane("inner")
+    queued, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        queued.wait(5)
+        before = now_ns()
+        ev = lane.record()
+        seen.update(complete=ev.query(), in_time=before <= ev.timestamp_ns <= now_ns(), pending=lane.pending)
+
+    lane.submit(first)
+    lane.submit(lambda: release.wait(5))
+    queued.set()  # the second task is queued behind the first before it records
+    outside = None
+    for _ in range(500):
+        if seen:
+            outside = lane.record()  # from this thread: queued behind the blocked second task
+            break
+        time.sleep(0.01)
+    assert seen == {"complete": True, "in_time": True, "pending": 2}
+    assert outside is not None and not outside.query()
+    release.set()
+    outside.synchronize()
+
+
+def test_wait_inside_a_task_blocks_that_task_until_the_event():
+    a, b = HostLane("a"), HostLane("b")
+    box = {}
+    b.submit(lambda: (time.sleep(0.05), box.__setitem__("value", 42)))
+    written = b.record()
+
+    def consume():
+        a.wait(written)
+        box["seen"] = box.get("value")  # the same task, right after the wait
+
+    a.submit(consume)
+    a.synchronize()
+    assert box["seen"] == 42
+
+
+def test_copy_async_inside_a_task_copies_inline():
+    lane = HostLane("copy")
+    src, dst = torch.arange(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)
+    seen = {}
+
+    def task():
+        lane.copy_async(dst.data_ptr(), src.data_ptr(), 24)
+        seen["equal"] = torch.equal(dst, src)
+
+    lane.submit(task)
+    lane.synchronize()
+    assert seen == {"equal": True}
+    dst.zero_()
+    lane.copy_async(dst.data_ptr(), src.data_ptr(), 24)  # from this thread: a queued copy
+    lane.synchronize()
+    assert torch.equal(dst, src)
+
+
+def test_cuda_lane_errors_and_event_ordering():
+    info = _core.build_info()
+    n = info["cuda_devices"]
+    with pytest.raises(RuntimeError, match=f"CUDA device {n}"):  # one past the last device never exists
+        _core.CudaLane(n)
+    if n == 0:
+        with pytest.raises(RuntimeError, match="CUDA device 0") as err:
+            make_lane("cuda:0")
+        if info["cuda_compiled"]:
+            # e.g. "cudaGetDeviceCount returned 35 (CUDA driver version is insufficient ...)"
+            assert "cudaGetDeviceCount returned" in str(err.value), str(err.value)
+            assert info["cuda_status"].split("(")[-1].rstrip(")") in str(err.value)
+        assert isinstance(make_lane("cpu"), HostLane)
+        return
+    # Lane a copies into device memory (a ring on device 0) after a host lane filled the source late; lane b
+    # waits on a's event and copies back: b sees the data only through the event chain.
+    a, b, filler = _core.CudaLane(0, name="a"), _core.CudaLane(0, name="b"), HostLane("filler")
+    assert a.device == 0 and a.owns_stream and a.stream not in (0, b.stream)
+    dev = _core.BoundaryRing(1, 1, 1, 1 << 18, "float32", 0)
+    src = _core.Staging(1, 1, 1 << 20, 0)  # pinned: copied in lane order, not when issued
+    back = _core.Staging(1, 1, 1 << 20, 0)
+    src_t = torch.from_dlpack(src.view("features", 0)).view(torch.float32)
+    filler.submit(lambda: (time.sleep(0.02), src_t.copy_(torch.arange(1 << 18, dtype=torch.float32))))
+    a.wait(filler.record())
+    a.copy_async(dev.data_ptr, src.data_ptr("features", 0), 1 << 20)
+    written = a.record()
+    assert written.device == 0 and not written.is_host
+    b.wait(written)
+    b.copy_async(back.data_ptr("features", 1), dev.data_ptr, 1 << 20)
+    b.synchronize()
+    got = torch.from_dlpack(back.view("features", 1)).view(torch.float32)
+    assert torch.equal(got, torch.arange(1 << 18, dtype=torch.float32))
 
 
 def test_lanes_run_concurrently():
@@ -137,6 +219,7 @@ def _matmuls(x, n):
     return work
 
 
+@pytest.mark.perf
 def test_two_host_lanes_overlap_torch_work():
     """Two single-thread torch workloads on two lanes take < 1.6x the time of one (serial would be 2x)."""
     threads = torch.get_num_threads()

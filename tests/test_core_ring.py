@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from dpara_rt import _core, build_info
 from dpara_rt.core import (BoundaryRing, HostLane, RefRing, Staging, ring_tensor, slot_tensor, stage_in, stage_out,
                            staging_tensor)
 
@@ -97,7 +98,7 @@ def test_ready_and_release_events_order_producer_and_consumer():
     (dict(capacity=0), "capacity must be >= 1, got 0"),
     (dict(batch=0), "batch must be >= 1, got 0"),
     (dict(d=0), "got 0"),
-    (dict(d=33), "got 33"),
+    (dict(d=_core.MAX_DRAFT + 1), f"d must be in 1..{_core.MAX_DRAFT}, got {_core.MAX_DRAFT + 1}"),
     (dict(vocab=0), "vocab must be >= 1, got 0"),
     (dict(dtype="int8"), "'int8'"),
     (dict(dtype="int32"), "'int32'"),
@@ -119,8 +120,6 @@ def test_ring_bad_slot_and_r_shape():
         ring.select(0, np.array([0, 1, 2]))
     with pytest.raises(ValueError, match=r"shape \(1, 2\)"):
         ring.select(0, np.array([[0, 1]]))
-    with pytest.raises(RuntimeError, match="CUDA device 0"):
-        BoundaryRing(1, 1, 1, 4, "float32", 0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -173,32 +172,63 @@ def test_random_sequences_never_overwrite_an_unconsumed_slot(capacity, ops, pick
 def test_staging_regions_views_and_copies():
     st_ = Staging(batch=3, d=4, feature_bytes=3 * 8 * 2)
     assert st_.bytes("rb") == 24 and st_.bytes("draft") == 48 and not st_.pinned and st_.device == -1
-    rb = staging_tensor(st_, "rb")
+    rb = staging_tensor(st_, "rb", 0)
     assert rb.shape == (3, 2) and rb.dtype == torch.int32
-    feats = staging_tensor(st_, "features", dtype=torch.bfloat16, shape=(3, 8))
+    feats = staging_tensor(st_, "features", 1, dtype=torch.bfloat16, shape=(3, 8))
     assert feats.shape == (3, 8)
     for region in ("rb", "draft", "features"):
         assert st_.data_ptr(region, 0) % 64 == 0 and st_.data_ptr(region, 1) % 64 == 0
     lane = HostLane("transfer")
     src = torch.tensor([[1, 10], [2, 20], [0, 30]], dtype=torch.int32)
-    stage_in(st_, lane, "rb", src)
+    stage_in(st_, lane, "rb", src, 0)
     lane.synchronize()
-    assert torch.equal(rb, src) and st_.phase == 0
-    assert st_.flip() == 1 and st_.phase == 1
-    assert staging_tensor(st_, "rb").eq(0).all()  # phase 1 is a separate buffer
+    assert torch.equal(rb, src)
+    assert staging_tensor(st_, "rb", 1).eq(0).all()  # phase 1 is a separate buffer
     out = torch.zeros(3, 2, dtype=torch.int32)
     stage_out(st_, lane, "rb", out, phase=0)
     lane.synchronize()
     assert torch.equal(out, src)
     with pytest.raises(ValueError, match="28 bytes does not fit staging region 'rb' of 24 bytes"):
-        st_.copy_in(lane, "rb", src.data_ptr(), 28)
+        st_.copy_in(lane, "rb", src.data_ptr(), 28, 0)
     with pytest.raises(ValueError, match="'logits'"):
-        st_.view("logits")
-    with pytest.raises(ValueError, match="got 2"):
-        st_.view("rb", 2)
+        st_.view("logits", 0)
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=f"staging phase must be 0 or 1, got {bad}"):
+            st_.view("rb", bad)
+    with pytest.raises(TypeError):
+        st_.view("rb")  # the phase is required: no "current phase" to fall back on
     with pytest.raises(ValueError, match="strides"):
-        stage_in(st_, lane, "draft", torch.zeros(4, 3, dtype=torch.int32).t())
+        stage_in(st_, lane, "draft", torch.zeros(4, 3, dtype=torch.int32).t(), 0)
     with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
         Staging(0, 4, 0)
-    with pytest.raises(RuntimeError, match="CUDA device 0"):
-        Staging(1, 1, 0, 0)
+
+
+def test_ring_and_staging_on_device_0():
+    """Device ring and pinned staging: a clear error naming device 0 without a GPU; with one, both round-trip
+    through DLPack to torch (write through the tensor, read back through the core's copies)."""
+    if build_info()["cuda_devices"] == 0:
+        with pytest.raises(RuntimeError, match="CUDA device 0"):
+            BoundaryRing(1, 1, 1, 4, "float32", 0)
+        with pytest.raises(RuntimeError, match="CUDA device 0"):
+            Staging(1, 1, 0, 0)
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("the core sees a CUDA device but this torch build has no CUDA")
+    ring = BoundaryRing(2, 2, 3, 8, "bfloat16", 0)
+    slot0 = torch.from_dlpack(ring.slot(0))
+    assert slot0.device == torch.device("cuda", 0) and slot0.shape == (2, 4, 3, 8) and slot0.dtype == torch.bfloat16
+    assert slot0.data_ptr() == ring.data_ptr and slot0.eq(0).all()  # zero-filled on the device
+    want = torch.randn(2, 4, 3, 8, device="cuda").to(torch.bfloat16)
+    slot0.copy_(want)
+    torch.cuda.synchronize()
+    assert torch.equal(ring_tensor(ring)[0], want) and torch.equal(torch.from_dlpack(ring.slot(0)).cpu(), want.cpu())
+    st_ = Staging(2, 3, 64, 0)
+    assert st_.pinned and st_.device == 0
+    rb = staging_tensor(st_, "rb", 1)
+    assert rb.device.type == "cpu" and rb.is_pinned()
+    rb.copy_(torch.tensor([[1, 7], [3, 9]], dtype=torch.int32))
+    lane = _core.CudaLane(0, name="transfer")
+    on_device = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    st_.copy_out(lane, "rb", on_device.data_ptr(), 16, 1)  # pinned -> device on the lane's stream
+    lane.synchronize()
+    assert on_device.cpu().tolist() == [[1, 7], [3, 9]]

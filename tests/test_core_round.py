@@ -1,13 +1,28 @@
 """Round state, greedy acceptance, tree-mask metadata and metrics through the bindings, checked against
-naive Python / numpy built from DESIGN.md's rules (hypothesis) and the plain-Python reference."""
+naive Python / numpy built from the rules of docs/design.md (hypothesis) and the plain-Python reference."""
 import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dpara_rt.core import (Metrics, RefRoundState, RoundState, greedy_accept, ref_tree_metadata, span, tree_mask,
-                           tree_metadata)
+from dpara_rt._core import MAX_DRAFT
+from dpara_rt.core import (BoundaryRing, Metrics, RefRoundState, RoundState, Staging, greedy_accept, span,
+                            tree_mask, tree_metadata)
+
+
+def ref_tree_metadata(d: int) -> dict:
+    """The layout written out independently: spine rows 0..d, then branch r's rows at offsets r+1..r+d."""
+    spine, branches = range(d + 1), [(r, j) for r in range(d + 1) for j in range(d)]
+    return {
+        "d": d,
+        "rows": (d + 1) * (d + 1),
+        "query_branch": [-1] * (d + 1) + [r for r, _ in branches],
+        "query_pos_offset": list(spine) + [r + 1 + j for r, j in branches],
+        "query_spine_limit": list(spine) + [r for r, _ in branches],
+        "key_spine": list(spine) + [-1] * len(branches),
+        "key_branch": [-1] * (d + 1) + [r for r, _ in branches],
+    }
 
 
 def naive_accept(draft, argmax):
@@ -45,7 +60,7 @@ def test_greedy_accept_equals_naive_loop(case):
 
 
 def naive_tree(d):
-    """The spine+branch tree of DESIGN.md §1 as explicit tokens, and its dense mask."""
+    """The spine+branch tree of docs/design.md §1 as explicit tokens, and its dense mask."""
     tokens = [("spine", i, i) for i in range(d + 1)]                             # s_0..s_d at n..n+d
     tokens += [("branch", r, r + 1 + j) for r in range(d + 1) for j in range(d)]  # branch r at n+r+1..n+r+d
     n = len(tokens)
@@ -76,10 +91,17 @@ def test_tree_metadata_expands_to_the_naive_dense_mask(d):
         assert meta[key].dtype == np.int32 and meta[key].tolist() == ref[key]
 
 
-def test_tree_metadata_bad_d():
-    for d in (0, 33):
-        with pytest.raises(ValueError, match=f"got {d}"):
-            tree_metadata(d)
+def test_draft_limit_is_the_cores_max_draft():
+    """Every object sized by d accepts d = MAX_DRAFT and refuses one more, naming the value and the limit."""
+    top = MAX_DRAFT
+    assert tree_metadata(top)["rows"] == (top + 1) ** 2 and len(Metrics(top).histogram()) == top + 1
+    assert RoundState(1, top, 8, [], 256).d() == top and BoundaryRing(1, 1, top, 1).d == top
+    assert Staging(1, top, 0).d == top
+    for make in (tree_metadata, Metrics, lambda d: RoundState(1, d, 8, [], 256), lambda d: BoundaryRing(1, 1, d, 1),
+                 lambda d: Staging(1, d, 0)):
+        for d in (0, top + 1):
+            with pytest.raises(ValueError, match=f"d must be in 1..{top}, got {d}"):
+                make(d)
 
 
 def test_eos_and_max_new_tokens_inside_a_block():
@@ -105,7 +127,7 @@ def test_eos_and_max_new_tokens_inside_a_block():
     assert state.spine()[2, 0] == 3 and state.rounds() == 2
 
 
-def test_caller_owned_outputs_and_positions():
+def test_caller_owned_outputs():
     state = RoundState(2, 2, 50, [], 100)
     out = np.zeros(2, dtype=np.int64)
     state.start(np.array([3, 8]), np.array([1, 1]), out)
@@ -113,8 +135,7 @@ def test_caller_owned_outputs_and_positions():
     r, bonus, committed = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
     result = state.step(np.array([[4, 5, 6], [0, 0, 0]]), 0, r, bonus, committed)
     assert result[0] is r and r.tolist() == [2, 0] and committed.tolist() == [3, 1]
-    offsets = tree_metadata(2)["query_pos_offset"]
-    assert np.array_equal(state.positions(), state.target_pos()[:, None] + offsets[None, :])
+    assert state.target_pos().tolist() == [6, 9] and state.committed_lens().tolist() == [7, 10]
     with pytest.raises(ValueError, match=r"committed must be a writable contiguous int64 array of shape \(2,\)"):
         state.start(np.array([3, 8]), np.array([1, 1]), np.zeros(2, dtype=np.int32))
 
@@ -122,8 +143,6 @@ def test_caller_owned_outputs_and_positions():
 def test_round_state_bad_input_names_the_value():
     with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
         RoundState(0, 4, 8, [], 64)
-    with pytest.raises(ValueError, match="got 33"):
-        RoundState(1, 33, 8, [], 64)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         RoundState(1, 4, 0, [], 64)
     state = RoundState(2, 3, 8, [], 64)
@@ -176,7 +195,7 @@ def test_round_state_matches_python_reference(case):
         got = [a.tolist() for a in cpp.step(argmax, k % 3)]
         assert got == list(ref.step(argmax.tolist(), k % 3))
         assert cpp.outputs() == ref.outputs
-        assert cpp.positions().tolist() == ref.positions()
+        assert cpp.target_pos().tolist() == ref.target_pos and cpp.drafter_pos().tolist() == ref.drafter_pos
         assert cpp.finished().tolist() == ref.finished()
         assert [cpp.reason(b) for b in range(batch)] == ref.reasons
     for b in range(batch):

@@ -197,7 +197,13 @@ def test_layouts_and_layer_choice():
     assert visible[7].tolist() == [True, True, True, False, False, False, False, True, True]
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(4, 2) == [0, 3]
-    assert MASK_ID < 0
+
+
+def test_mask_rows_take_the_mask_embedding(drafter):
+    rows = drafter.embed_rows(torch.tensor([[MASK_ID, 5, MASK_ID]]))
+    torch.testing.assert_close(rows[0, 0], drafter.mask_embedding.to(rows.dtype).reshape(-1))
+    torch.testing.assert_close(rows[0, 2], rows[0, 0])
+    torch.testing.assert_close(rows[0, 1], drafter.embed_tokens.weight[5].to(rows.dtype))
 
 
 def test_shared_modules_are_frozen_and_not_parameters(drafter, tiny_target):

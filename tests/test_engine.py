@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dpara_rt.engine import Engine
-from dpara_rt.methods.ar import generate_ar
+from dpara_rt.methods import VARIANTS, variant, variant_name
+from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
 from engine_pairs import predictable_pair
 
@@ -65,7 +66,7 @@ def test_eos_and_max_new_tokens_inside_a_block(pair, method):
     want = ar_reference(target, prompts, 13, eos=(eos,))
     assert want[0] == plain[0][:4]                           # request 0 stops on the EOS, EOS included
     assert any(len(w) == 13 for w in want)                   # another stops exactly at max_new_tokens
-    eng = Engine(target, drafter if method != "ar" else drafter, method=method, d=7, eos_ids=[eos])
+    eng = Engine(target, drafter if method != "ar" else None, method=method, d=7, eos_ids=[eos])
     out = eng.generate(prompts, max_new_tokens=13)
     assert out.tokens == want
 
@@ -105,6 +106,7 @@ def test_psd_counts_fallbacks_and_dpara_never_falls_back(pair):
     assert dp.fallback_rate == 0
 
 
+@pytest.mark.perf
 def test_overlap_is_real_on_two_host_lanes():
     """A target much wider than its drafter: the backbone must hide under verification on two cores."""
     target, drafter = predictable_pair(hidden=256, layers=8, inter=1024, vocab=256)
@@ -120,6 +122,9 @@ def test_overlap_is_real_on_two_host_lanes():
     (dict(method="beam"), "method 'beam'"),
     (dict(d=0), "d = 0"),
     (dict(d=33), "d = 33"),
+    (dict(d=2.5), "d = 2.5"),
+    (dict(seed=-1), "seed = -1"),
+    (dict(temperature=float("inf")), "temperature = inf"),
     (dict(temperature=-0.5), "temperature = -0.5"),
     (dict(placement="everywhere"), "placement 'everywhere'"),
     (dict(max_batch=17), "max_batch = 17"),
@@ -192,3 +197,38 @@ def test_abandoning_a_stream_stops_the_rounds(pair):
     next(stream), next(stream)
     stream.close()
     assert eng.generate(prompts, 12).tokens == ar_reference(target, prompts, 12)
+
+
+def test_per_call_options_leave_the_engine_defaults_alone(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=3, temperature=0.0, seed=5)
+    prompts = prompts_for(2, seed=15)
+    sampled = eng.generate(prompts, 16, temperature=1.0, seed=11).tokens
+    assert sampled == eng.generate(prompts, 16, temperature=1.0, seed=11).tokens
+    assert eng.defaults.temperature == 0.0 and eng.defaults.seed == 5
+    assert eng.generate(prompts, 16).tokens == ar_reference(target, prompts, 16)  # greedy again
+    with pytest.raises(ValueError, match="top_p = 0.5 with speculative method 'dpara'"):
+        eng.generate(prompts, 4, temperature=1.0, top_p=0.5)
+
+
+def test_the_engine_sizes_its_cache_per_call(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4)
+    short = eng.generate([[5, 6]], 4)
+    assert eng.target.max_len < 600
+    prompt = prompts_for(1, seed=16, lo=500, hi=501)[0]
+    out = eng.generate([prompt], 120)
+    assert eng.target.max_len >= 500 + 120 + 2 * 5
+    assert out.tokens == generate_ar(Target(target, 1, 700), [prompt], 120, eos_ids=(2,))
+    assert eng.generate([[5, 6]], 4).tokens == short.tokens
+    fixed = Engine(target, drafter, method="dpara", d=4, max_len=64)
+    with pytest.raises(ValueError, match="needs 70 cache slots, more than max_len 64"):
+        fixed.generate([[5] * 40], 20)
+
+
+def test_every_variant_name_maps_back_to_itself():
+    for name, kw in VARIANTS.items():
+        assert variant_name(**kw) == name
+    assert variant("psd-ssd") == dict(method="psd", psd_policy="ssd")
+    with pytest.raises(ValueError, match="unknown method 'beam'"):
+        variant("beam")

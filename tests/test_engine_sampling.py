@@ -56,8 +56,7 @@ def test_sampling_matches_exact_distribution(pair, exact_joint, method, policy):
     counts = np.zeros((V, V, V))
     accepted = 0
     for call in range(N_CALLS):
-        eng.opts.seed = 1000 * call + 7
-        out = eng.generate([PROMPT] * BATCH, max_new_tokens=3)
+        out = eng.generate([PROMPT] * BATCH, max_new_tokens=3, seed=1000 * call + 7)
         for toks in out.tokens:
             counts[tuple(toks)] += 1
         accepted += sum(out.stats.acceptance_histogram[1:]) if method != "ar" else 0

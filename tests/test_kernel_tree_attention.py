@@ -1,5 +1,5 @@
 """Tree-mask attention: the Triton kernel (interpreted on the CPU) against the torch reference, and the
-reference against a direct per-row softmax over the keys DESIGN.md says each row may see."""
+reference against a direct per-row softmax over the keys docs/design.md says each row may see."""
 import os
 
 import torch
@@ -32,7 +32,7 @@ def _inputs(batch, n_q_heads, n_kv_heads, head_dim, d, max_ctx, dtype, seed=0):
 
 
 def _visible(d: int, row: int, key: int) -> bool:
-    """DESIGN.md §1 in words: spine i sees spine 0..i; branch r sees spine 0..r and all of branch r."""
+    """docs/design.md §1 in words: spine i sees spine 0..i; branch r sees spine 0..r and all of branch r."""
     def place(i):
         return ("spine", i) if i <= d else ("branch", (i - d - 1) // d)
     row_kind, row_id = place(row)

@@ -1,4 +1,4 @@
-"""Verification: Triton (interpreted on the CPU) == torch reference == a naive numpy loop, and lossless
+"""Verification: Triton (interpreted on the CPU) == torch reference == the core's greedy rule / a numpy loop, and lossless
 rejection sampling reproduces the target distribution (chi-square)."""
 import os
 
@@ -11,22 +11,18 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from dpara_rt import _core  # noqa: E402
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton,  # noqa: E402
                                      verify_sample_reference, verify_sample_triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _numpy_greedy(logits, draft):
-    logits, draft = logits.float().cpu().numpy(), draft.cpu().numpy()
-    r_out, bonus_out = [], []
-    for b in range(draft.shape[0]):
-        r = 0
-        while r < draft.shape[1] and draft[b, r] == np.argmax(logits[b, r]):
-            r += 1
-        r_out.append(r)
-        bonus_out.append(int(np.argmax(logits[b, r])))
-    return r_out, bonus_out
+def _core_greedy(logits, draft):
+    """The runtime's one greedy acceptance rule (the C++ round state's), on the target's argmax."""
+    argmax = logits.float().argmax(-1).cpu().numpy().astype(np.int64)
+    r, bonus = _core.greedy_accept(draft.cpu().numpy().astype(np.int64), argmax)
+    return r.tolist(), bonus.tolist()
 
 
 def _numpy_sample(p, q, draft, u_accept, u_bonus):
@@ -74,7 +70,7 @@ GREEDY = [(1, 1, 64, torch.float32, None), (3, 4, 1000, torch.float32, 3), (5, 7
 @pytest.mark.parametrize("batch,d,vocab,dtype,splits", GREEDY)
 def test_greedy_matches_reference_and_numpy(batch, d, vocab, dtype, splits):
     logits, draft = _greedy_inputs(batch, d, vocab, dtype)
-    want = _numpy_greedy(logits, draft)
+    want = _core_greedy(logits, draft)
     r, bonus = verify_greedy_triton(logits, draft, num_splits=splits)
     r_ref, bonus_ref = verify_greedy_reference(logits, draft)
     assert (r_ref.tolist(), bonus_ref.tolist()) == want

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dpara_rt.methods.ar import ARDecoder, generate_ar
+from dpara_rt.models.autoregressive import ARDecoder, generate_ar
 from dpara_rt.models.target import Target
 from dpara_rt.sampling import inverse_cdf, make_generator, probs, sample, top_p_filter
 

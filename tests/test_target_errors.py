@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dpara_rt.methods.ar import generate_ar
+from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.loader import CheckpointError, load_qwen3, resolve_device, resolve_dtype
 from dpara_rt.models.qwen3 import Qwen3Config
 from dpara_rt.models.target import Target
@@ -112,15 +112,15 @@ def test_dtype_mismatch(ckpt):
 def test_bad_prompts(tiny_target):
     target = Target(tiny_target, max_batch=2, max_len=16)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        target.start([[5, 6], []])
+        target.check_prompts([[5, 6], []])
     with pytest.raises(ValueError, match="prompt 0 has 17 tokens, more than max_len 16"):
-        target.start([list(range(3, 20))])
+        target.check_prompts([list(range(3, 20))])
     with pytest.raises(ValueError, match="3 prompts exceed this target's max_batch 2"):
-        target.start([[5]] * 3)
+        target.check_prompts([[5]] * 3)
     with pytest.raises(ValueError, match=r"prompt 0 has token ids \[512\]"):
-        target.start([[5, 512]])
+        target.check_prompts([[5, 512]])
     with pytest.raises(ValueError, match="non-empty list"):
-        target.start([])
+        target.check_prompts([])
     with pytest.raises(ValueError, match="prompt 0 .* max_new_tokens 8 needs 22 cache slots"):
         generate_ar(target, [list(range(3, 18))], max_new_tokens=8)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dpara_rt.methods.ar import generate_ar
+from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.target import Target
 from dpara_rt.train import (TrainConfig, TrainData, build_train_data, estimate_tau, prompts_from_stream, train_stage1,

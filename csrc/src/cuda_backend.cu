@@ -234,7 +234,8 @@ void CudaLane::submit(Task fn) {
 }
 
 Event CudaLane::record() {
-  impl_->worker->rethrow_captured();
+  // From the lane's own task run_in_order records at once; the task's captured errors stay for the caller.
+  if (!impl_->worker->on_worker()) impl_->worker->rethrow_captured();
   auto ev = std::make_shared<CudaEventImpl>(impl_->device);
   cudaStream_t s = impl_->stream;
   impl_->worker->run_in_order([ev, s] {

@@ -20,7 +20,7 @@ struct HostLane::State {
   mutable std::mutex mu;
   std::condition_variable work_cv, idle_cv;
   std::deque<Task> queue;
-  bool busy = false;  // a task is running on the worker
+  bool busy = false;  // a task is running, on the worker or inline (run_in_order on an idle lane)
   bool stop = false;
   std::exception_ptr error;  // first uncollected task exception
   std::thread worker;
@@ -38,7 +38,7 @@ HostLane::~HostLane() {
   s_->work_cv.notify_all();
   // A task that drops the last reference to its own lane cannot join itself; the worker drains the
   // queue and exits on its own, keeping the state alive through its shared_ptr.
-  if (s_->worker.get_id() == std::this_thread::get_id()) s_->worker.detach();
+  if (on_worker()) s_->worker.detach();
   else s_->worker.join();
 }
 
@@ -47,7 +47,8 @@ void HostLane::run(State& s) {
     Task task;
     {
       std::unique_lock<std::mutex> lk(s.mu);
-      s.work_cv.wait(lk, [&] { return s.stop || !s.queue.empty(); });
+      // Not while an inline run_in_order is in progress: what was queued meanwhile comes after it.
+      s.work_cv.wait(lk, [&] { return !s.busy && (s.stop || !s.queue.empty()); });
       if (s.queue.empty()) return;  // stop requested and everything queued has run
       task = std::move(s.queue.front());
       s.queue.pop_front();
@@ -79,16 +80,35 @@ void HostLane::submit(Task fn) {
   s_->work_cv.notify_one();
 }
 
+bool HostLane::on_worker() const { return s_->worker.get_id() == std::this_thread::get_id(); }
+
 void HostLane::run_in_order(Task fn) {
-  std::unique_lock<std::mutex> lk(s_->mu);
-  if (!s_->busy && s_->queue.empty()) {
-    // Holding the lock keeps the worker from starting anything queued meanwhile, so order is kept.
+  if (on_worker()) {  // the calling task is the lane's current position
     fn();
     return;
   }
-  s_->queue.push_back(std::move(fn));
-  lk.unlock();
-  s_->work_cv.notify_one();
+  {
+    std::unique_lock<std::mutex> lk(s_->mu);
+    if (s_->busy || !s_->queue.empty()) {
+      s_->queue.push_back(std::move(fn));
+      lk.unlock();
+      s_->work_cv.notify_one();
+      return;
+    }
+    s_->busy = true;  // holds the worker off; the lock itself is not held while fn runs (fn may submit)
+  }
+  struct Idle {  // clears `busy` however fn returns
+    State& s;
+    ~Idle() {
+      {
+        std::lock_guard<std::mutex> lk(s.mu);
+        s.busy = false;
+        if (s.queue.empty()) s.idle_cv.notify_all();
+      }
+      s.work_cv.notify_one();
+    }
+  } idle{*s_};
+  fn();
 }
 
 void HostLane::rethrow_captured() {
@@ -102,6 +122,8 @@ void HostLane::rethrow_captured() {
 }
 
 Event HostLane::record() {
+  // Inside a task, an error captured from an earlier task stays for the caller that collects it.
+  if (on_worker()) return Event::completed_host();
   rethrow_captured();
   auto ev = std::make_shared<HostEventImpl>();
   run_in_order([ev] { ev->complete(); });
@@ -110,11 +132,12 @@ Event HostLane::record() {
 
 void HostLane::wait(const Event& e) {
   if (e.query()) return;  // already complete: nothing to order against
-  submit([e] { e.synchronize(); });
+  if (on_worker()) e.synchronize();  // what this task does next comes after e
+  else submit([e] { e.synchronize(); });
 }
 
 void HostLane::synchronize() {
-  if (s_->worker.get_id() == std::this_thread::get_id())
+  if (on_worker())
     throw std::runtime_error("synchronize() on host lane '" + name() + "' from one of its own tasks would wait for itself");
   {
     std::unique_lock<std::mutex> lk(s_->mu);
@@ -125,7 +148,8 @@ void HostLane::synchronize() {
 
 void HostLane::copy_async(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
-  submit([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  if (on_worker()) std::memcpy(dst, src, bytes);
+  else submit([dst, src, bytes] { std::memcpy(dst, src, bytes); });
 }
 
 std::size_t HostLane::pending() const {

@@ -10,6 +10,18 @@
 
 namespace dpara_rt {
 
+namespace {
+
+void free_block(MemoryKind kind, void* p, int device) {
+  switch (kind) {
+    case MemoryKind::host: std::free(p); break;
+    case MemoryKind::host_pinned: detail::cuda_host_free(p); break;
+    case MemoryKind::device: detail::cuda_free(p, device); break;
+  }
+}
+
+}  // namespace
+
 Buffer::Buffer(MemoryKind kind, std::size_t bytes, int device)
     : bytes_(bytes), kind_(kind), device_(kind == MemoryKind::device ? device : -1) {
   // Never hand out a null pointer, even for an empty block: DLPack consumers reject null data.
@@ -18,26 +30,21 @@ Buffer::Buffer(MemoryKind kind, std::size_t bytes, int device)
     case MemoryKind::host:
       data_ = std::aligned_alloc(kAlignment, n);
       if (!data_) throw std::bad_alloc();
-      std::memset(data_, 0, n);
       break;
-    case MemoryKind::host_pinned:
-      data_ = detail::cuda_host_alloc(n);
-      std::memset(data_, 0, n);
-      break;
-    case MemoryKind::device:
-      data_ = detail::cuda_malloc(n, device);
-      detail::cuda_memset_zero(data_, n, device);
-      break;
+    case MemoryKind::host_pinned: data_ = detail::cuda_host_alloc(n); break;
+    case MemoryKind::device: data_ = detail::cuda_malloc(n, device); break;
+  }
+  // A constructor that throws runs no destructor: free the block here, or it leaks.
+  try {
+    if (kind == MemoryKind::device) detail::cuda_memset_zero(data_, n, device);
+    else std::memset(data_, 0, n);
+  } catch (...) {
+    free_block(kind_, data_, device_);
+    throw;
   }
 }
 
-Buffer::~Buffer() {
-  switch (kind_) {
-    case MemoryKind::host: std::free(data_); break;
-    case MemoryKind::host_pinned: detail::cuda_host_free(data_); break;
-    case MemoryKind::device: detail::cuda_free(data_, device_); break;
-  }
-}
+Buffer::~Buffer() { free_block(kind_, data_, device_); }
 
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;

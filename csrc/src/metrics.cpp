@@ -41,7 +41,7 @@ std::string micros(std::int64_t ns) {
 }  // namespace
 
 Metrics::Metrics(int d) : d_(d) {
-  if (d < 1 || d > 32) detail::value_error("metrics draft length d must be in 1..32, got ", d);
+  detail::check_draft_length(d, "metrics");
   hist_.assign(std::size_t(d + 1), 0);
 }
 
@@ -79,6 +79,11 @@ std::vector<std::int64_t> Metrics::histogram() const {
 std::int64_t Metrics::rounds() const {
   std::lock_guard<std::mutex> lk(mu_);
   return rounds_;
+}
+
+void Metrics::record_fallback() {
+  std::lock_guard<std::mutex> lk(mu_);
+  ++fallbacks_;
 }
 
 std::int64_t Metrics::fallbacks() const {

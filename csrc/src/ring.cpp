@@ -35,7 +35,7 @@ BoundaryRing::BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, D
     : capacity_(capacity), batch_(batch), d_(d), vocab_(vocab), dtype_(dtype), device_(device) {
   if (capacity < 1) detail::value_error("ring capacity must be >= 1, got ", capacity);
   if (batch < 1) detail::value_error("ring batch must be >= 1, got ", batch);
-  if (d < 1 || d > kMaxD) detail::value_error("draft length d must be in 1..", kMaxD, ", got ", d);
+  detail::check_draft_length(d, "ring");
   if (vocab < 1) detail::value_error("vocab must be >= 1, got ", vocab);
   if (dtype != DType::float32 && dtype != DType::bfloat16 && dtype != DType::float16)
     detail::value_error("ring dtype must be float32, bfloat16 or float16, got '", dtype_name(dtype), "'");

@@ -29,7 +29,7 @@ void greedy_accept(int batch, int d, const std::int64_t* draft, const std::int64
 }
 
 TreeMeta tree_meta(int d) {
-  if (d < 1 || d > 32) detail::value_error("tree draft length d must be in 1..32, got ", d);
+  detail::check_draft_length(d, "tree");
   TreeMeta m;
   m.d = d;
   const std::size_t rows = std::size_t(m.rows());
@@ -186,15 +186,6 @@ void RoundState::commit(const std::int64_t* r, const std::int64_t* bonus, int sl
   }
   ++rounds_;
   draft_set_ = false;
-}
-
-void RoundState::positions(std::int64_t* out) const {
-  const int rows = tree_.rows();
-  for (int b = 0; b < batch_; ++b) {
-    const std::int64_t base = reqs_[std::size_t(b)].target_pos;
-    std::int64_t* o = out + std::size_t(b) * std::size_t(rows);
-    for (int q = 0; q < rows; ++q) o[q] = base + tree_.query_pos_offset[std::size_t(q)];
-  }
 }
 
 }  // namespace dpara_rt

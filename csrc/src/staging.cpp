@@ -24,7 +24,7 @@ const char* staging_region_name(StagingRegion r) {
 Staging::Staging(int batch, int d, std::size_t feature_bytes, int device)
     : batch_(batch), d_(d), feature_bytes_(feature_bytes), device_(device) {
   if (batch < 1) detail::value_error("staging batch must be >= 1, got ", batch);
-  if (d < 1) detail::value_error("staging draft length d must be >= 1, got ", d);
+  detail::check_draft_length(d, "staging");
   if (device < -1) detail::value_error("staging device must be -1 (host) or a CUDA device index, got ", device);
   // Each region starts on a 64-byte boundary so a DMA engine or a vector load never straddles regions.
   const std::size_t a = Buffer::kAlignment;
@@ -40,9 +40,8 @@ Staging::Staging(int batch, int d, std::size_t feature_bytes, int device)
   }
 }
 
-int Staging::resolve_phase(int phase) const {
-  if (phase == -1) return phase_;
-  if (phase != 0 && phase != 1) detail::value_error("staging phase must be 0, 1 or -1 (current), got ", phase);
+int Staging::check_phase(int phase) {
+  if (phase != 0 && phase != 1) detail::value_error("staging phase must be 0 or 1, got ", phase);
   return phase;
 }
 
@@ -56,7 +55,7 @@ std::size_t Staging::bytes(StagingRegion region) const {
 }
 
 void* Staging::data(StagingRegion region, int phase) const {
-  return static_cast<char*>(buf_->data()) + std::size_t(resolve_phase(phase)) * phase_bytes_ +
+  return static_cast<char*>(buf_->data()) + std::size_t(check_phase(phase)) * phase_bytes_ +
          offset_[std::size_t(region)];
 }
 

@@ -5,6 +5,8 @@
 #include <string>
 #include <utility>
 
+#include "dpara_rt/types.h"
+
 namespace dpara_rt::detail {
 
 template <class... Args>
@@ -22,6 +24,11 @@ template <class... Args>
 template <class... Args>
 [[noreturn]] void runtime_error(Args&&... args) {
   throw std::runtime_error(cat(std::forward<Args>(args)...));
+}
+
+// std::invalid_argument unless 1 <= d <= kMaxDraft; `what` names the object being built.
+inline void check_draft_length(int d, const char* what) {
+  if (d < 1 || d > kMaxDraft) value_error(what, " draft length d must be in 1..", kMaxDraft, ", got ", d);
 }
 
 inline std::size_t align_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }

@@ -6,7 +6,13 @@
 #include <exception>
 #include <string>
 
+#include "dpara_rt/build_info.h"
+
 namespace check {
+
+// CUDA devices usable now, through the core's build-info API (an error of cudaGetDeviceCount counts as 0).
+// Device-dependent checks branch on it, so the suite tells the truth with and without a GPU.
+inline int cuda_devices() { return dpara_rt::cuda_device_count(); }
 
 inline int& failures() {
   static int n = 0;

@@ -1,7 +1,9 @@
 // Lanes, events and the DLPack export, without Python.
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -133,11 +135,106 @@ static void test_copy_async() {
   CHECK(dst == src);
 }
 
-static void test_cuda_lane_without_device() {
-  // This machine has no CUDA device (or the build has no CUDA): the error names the device index.
-  if (cuda_device_count() > 0) return;
-  CHECK_THROWS(CudaLane(0), std::runtime_error, "CUDA device 0");
-  CHECK_THROWS(CudaLane(3), std::runtime_error, "CUDA device 3");
+// A task is its lane's position: record() inside it is complete at once, even with work queued behind.
+static void test_record_inside_task() {
+  HostLane lane("inner-record");
+  std::atomic<bool> queued{false}, release{false}, complete_inside{false}, rethrown{false};
+  std::atomic<std::int64_t> stamp{0}, before{0};
+  lane.submit([&] {
+    while (!queued) std::this_thread::sleep_for(1ms);
+    before = now_ns();
+    Event e = lane.record();
+    complete_inside = e.query();
+    stamp = e.timestamp_ns();
+  });
+  lane.submit([&] {
+    while (!release) std::this_thread::sleep_for(1ms);
+  });
+  queued = true;  // the second task is queued behind the first before it records
+  for (int i = 0; i < 5000 && stamp == 0; ++i) std::this_thread::sleep_for(1ms);
+  CHECK(complete_inside.load());
+  CHECK(stamp >= before && stamp <= now_ns());
+  CHECK(lane.pending() == 1);  // the queued task has not run: the event did not wait for it
+  Event outside = lane.record();  // from another thread: still queued behind the blocked task
+  CHECK(!outside.query());
+  release = true;
+  outside.synchronize();
+  // An error of an earlier task stays for the caller that collects it, not for a task that records.
+  lane.submit([] { throw std::runtime_error("task error 5"); });
+  lane.submit([&] {
+    try {
+      lane.record();
+    } catch (...) {
+      rethrown = true;
+    }
+  });
+  CHECK_THROWS(lane.synchronize(), std::runtime_error, "task error 5");
+  CHECK(!rethrown.load());
+}
+
+// wait() inside a task blocks that task until the event completes (cudaStreamWaitEvent for host work).
+static void test_wait_inside_task() {
+  HostLane a("a"), b("b");
+  std::atomic<int> value{0};
+  int observed = -1;
+  b.submit([&] {
+    std::this_thread::sleep_for(30ms);
+    value = 42;
+  });
+  const Event written = b.record();
+  a.submit([&, written] {
+    a.wait(written);
+    observed = value.load();  // the same task, right after the wait
+  });
+  a.synchronize();
+  CHECK(observed == 42);
+}
+
+// copy_async inside a task copies inline: the task can read the destination right away.
+static void test_copy_async_inside_task() {
+  HostLane lane("inner-copy");
+  std::vector<int> src{5, 6, 7}, dst(3, 0);
+  bool seen_inside = false;
+  lane.submit([&] {
+    lane.copy_async(dst.data(), src.data(), sizeof(int) * 3);
+    seen_inside = dst == src;
+  });
+  lane.synchronize();
+  CHECK(seen_inside);
+}
+
+static void test_cuda_lane() {
+  const int n = check::cuda_devices();
+  // One past the last device never exists: the error names the index, with or without a GPU.
+  CHECK_THROWS(CudaLane(n), std::runtime_error, ("CUDA device " + std::to_string(n)).c_str());
+  if (n == 0) {
+    CHECK_THROWS(CudaLane(0), std::runtime_error, "CUDA device 0");
+    return;
+  }
+  // Lane a writes device memory; lane b waits on a's event and copies it back. A host lane's event (its
+  // task fills the source late) orders lane a first, so b can only see the data through the event chain.
+  CudaLane a(0, 0, "a"), b(0, 0, "b");
+  CHECK(a.device() == 0 && a.owns_stream() && a.stream() != 0 && a.stream() != b.stream());
+  // Pinned host memory: a copy from pageable memory would read its source when issued, not in lane order.
+  constexpr std::size_t kInts = 1 << 20, kBytes = kInts * sizeof(int);
+  Buffer dev(MemoryKind::device, kBytes, 0), src(MemoryKind::host_pinned, kBytes), back(MemoryKind::host_pinned, kBytes);
+  auto* s = static_cast<int*>(src.data());
+  auto* r = static_cast<int*>(back.data());
+  HostLane filler("filler");
+  filler.submit([&] {
+    std::this_thread::sleep_for(20ms);
+    for (std::size_t i = 0; i < kInts; ++i) s[i] = int(i * 7 + 1);
+  });
+  a.wait(filler.record());
+  a.copy_async(dev.data(), src.data(), kBytes);
+  const Event written = a.record();
+  CHECK(written.device() == 0 && !written.is_host());
+  b.wait(written);
+  b.copy_async(back.data(), dev.data(), kBytes);
+  b.synchronize();
+  CHECK(std::memcmp(r, s, kBytes) == 0 && r[kInts - 1] == int((kInts - 1) * 7 + 1));
+  CHECK(written.query());
+  CHECK(Event::elapsed_ms(written, b.record()) >= 0.0);
 }
 
 static void test_dlpack_export() {
@@ -168,7 +265,10 @@ int main() {
   test_synchronize_from_own_task();
   test_events();
   test_copy_async();
-  test_cuda_lane_without_device();
+  test_record_inside_task();
+  test_wait_inside_task();
+  test_copy_async_inside_task();
+  test_cuda_lane();
   test_dlpack_export();
   auto info = build_info();
   std::printf("compiler=%s cuda=%d devices=%d (%s)\n", info.compiler.c_str(), info.cuda_compiled, info.cuda_devices,

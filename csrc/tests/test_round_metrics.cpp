@@ -5,7 +5,9 @@
 
 #include "check.h"
 #include "dpara_rt/metrics.h"
+#include "dpara_rt/ring.h"
 #include "dpara_rt/round_state.h"
+#include "dpara_rt/staging.h"
 
 using namespace dpara_rt;
 using V = std::vector<std::int64_t>;
@@ -89,7 +91,7 @@ static void test_max_len() {
   CHECK(tight.reason(0) == FinishReason::max_len && tight.output(0).size() == 1);
 }
 
-static void test_ragged_batch_and_positions() {
+static void test_ragged_batch() {
   RoundState st(2, 2, 100, {}, 1000);
   V p{5, 9}, first{1, 2}, c(2);
   st.start(p.data(), first.data(), c.data());
@@ -98,13 +100,8 @@ static void test_ragged_batch_and_positions() {
   st.step(argmax.data(), 2, r.data(), b.data(), c.data());
   CHECK((r == V{2, 0}) && (c == V{3, 1}) && (b == V{8, 0}));
   CHECK(st.target_pos(0) == 8 && st.target_pos(1) == 10);
-  const int rows = st.tree().rows();
-  CHECK(rows == 9);
-  V pos(std::size_t(2 * rows));
-  st.positions(pos.data());
-  // spine rows 0..2 then branch 0 (offsets 1,2), branch 1 (2,3), branch 2 (3,4)
-  CHECK((V(pos.begin(), pos.begin() + rows) == V{8, 9, 10, 9, 10, 10, 11, 11, 12}));
-  CHECK(pos[std::size_t(rows)] == 10);
+  CHECK(st.drafter_pos(0) == 8 && st.drafter_pos(1) == 10);
+  CHECK(st.committed_len(0) == st.target_pos(0) + 1 && st.committed_len(1) == st.target_pos(1) + 1);
   V bad_r{5, 0};
   st.set_draft(draft.data());
   CHECK_THROWS(st.commit(bad_r.data(), b.data(), 0, c.data()), std::invalid_argument, "r[0] = 5");
@@ -113,7 +110,6 @@ static void test_ragged_batch_and_positions() {
 static void test_round_state_bad_arguments() {
   CHECK_THROWS(RoundState(0, 4, 8, {}, 64), std::invalid_argument, "batch must be >= 1, got 0");
   CHECK_THROWS(RoundState(1, 0, 8, {}, 64), std::invalid_argument, "got 0");
-  CHECK_THROWS(RoundState(1, 33, 8, {}, 64), std::invalid_argument, "got 33");
   CHECK_THROWS(RoundState(1, 4, 0, {}, 64), std::invalid_argument, "max_new_tokens must be >= 1, got 0");
   CHECK_THROWS(RoundState(1, 4, 8, {-3}, 64), std::invalid_argument, "got -3");
   RoundState st(1, 4, 8, {}, 64);
@@ -130,7 +126,7 @@ static void test_tree_meta() {
   CHECK((m.query_branch == std::vector<std::int32_t>{-1, -1, -1, 0, 0, 1, 1, 2, 2}));
   CHECK((m.query_pos_offset == std::vector<std::int32_t>{0, 1, 2, 1, 2, 2, 3, 3, 4}));
   CHECK((m.key_spine == std::vector<std::int32_t>{0, 1, 2, -1, -1, -1, -1, -1, -1}));
-  // The rules of DESIGN.md written out directly for every (query, key) pair, d = 1..16.
+  // The tree rules (docs/design.md §1) written out directly for every (query, key) pair, d = 1..16.
   for (int d = 1; d <= 16; ++d) {
     const TreeMeta t = tree_meta(d);
     const int rows = t.rows();
@@ -177,15 +173,34 @@ static void test_metrics() {
   CHECK(m.rounds() == 0 && m.events().empty());
 }
 
+static void test_draft_limit() {
+  // Every object sized by d takes its limit from kMaxDraft: d = kMaxDraft is accepted, one more is refused
+  // with the value named.
+  const int top = kMaxDraft;
+  const std::string too_long = "d must be in 1.." + std::to_string(top) + ", got " + std::to_string(top + 1);
+  CHECK(tree_meta(top).rows() == (top + 1) * (top + 1));
+  CHECK(Metrics(top).histogram().size() == std::size_t(top + 1));
+  CHECK(RoundState(1, top, 8, {}, 256).d() == top);
+  CHECK(BoundaryRing(1, 1, top, 1, DType::float32).d() == top);
+  CHECK(Staging(1, top, 0).d() == top);
+  CHECK_THROWS(tree_meta(top + 1), std::invalid_argument, too_long.c_str());
+  CHECK_THROWS(Metrics(top + 1), std::invalid_argument, too_long.c_str());
+  CHECK_THROWS(RoundState(1, top + 1, 8, {}, 256), std::invalid_argument, too_long.c_str());
+  CHECK_THROWS(BoundaryRing(1, 1, top + 1, 1, DType::float32), std::invalid_argument, too_long.c_str());
+  CHECK_THROWS(Staging(1, top + 1, 0), std::invalid_argument, too_long.c_str());
+  CHECK_THROWS(Staging(1, 0, 0), std::invalid_argument, "staging draft length d must be in 1..");
+}
+
 int main() {
   test_greedy_accept();
   test_commit_full_block();
   test_eos_mid_block();
   test_max_new_mid_block();
   test_max_len();
-  test_ragged_batch_and_positions();
+  test_ragged_batch();
   test_round_state_bad_arguments();
   test_tree_meta();
   test_metrics();
+  test_draft_limit();
   return check::finish("test_round_metrics");
 }

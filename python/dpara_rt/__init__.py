@@ -1,19 +1,7 @@
 """dpara_rt: a runtime for DPara parallel speculative decoding."""
 from dpara_rt._core import build_info as _core_build_info
-from dpara_rt.core import (
-    BoundaryRing,
-    CudaLane,
-    Event,
-    HostLane,
-    Lane,
-    Metrics,
-    RoundState,
-    Staging,
-    greedy_accept,
-    now_ns,
-    tree_mask,
-    tree_metadata,
-)
+from dpara_rt.core import BoundaryRing, CudaLane, Event, HostLane, Lane, Metrics, RoundState, Staging  # noqa: F401
+from dpara_rt.core import greedy_accept, now_ns, tree_mask, tree_metadata  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -14,25 +14,26 @@ import sys
 import time
 
 from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_method, table
+from dpara_rt.methods import METHODS, VARIANTS
 
 GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "auto")
-SERIAL = ("ar", "dspark")
+# serial methods never run both lanes at once: in the matched setting they may use both cores
+SERIAL = tuple(n for n in GRID_METHODS if VARIANTS[n]["method"] in METHODS and not METHODS[VARIANTS[n]["method"]].parallel)
 
 
-def _engine_kwargs(name: str, resources: str, d: int, temperature: float, max_len: int) -> dict:
-    kw = dict(d=d, temperature=temperature, max_len=max_len)
+def _engine_kwargs(name: str, resources: str, d: int, temperature: float) -> dict:
+    kw = dict(d=d, temperature=temperature)
     if resources == "matched" and name in SERIAL:
         kw["threads_per_lane"] = 2
     return kw
 
 
 def run_config(target, drafter, prompts, batch, temperature, d, resources, max_new_tokens, methods, log):
-    max_len = max(map(len, prompts)) + max_new_tokens + 4 * d + 8
     results = {}
     for name in methods:
         t0 = time.perf_counter()
         results[name] = run_method(name, target, drafter, prompts, batch, max_new_tokens,
-                                   **_engine_kwargs(name, resources, d, temperature, max_len))
+                                   **_engine_kwargs(name, resources, d, temperature))
         log(f"  {name:<13} {time.perf_counter() - t0:6.1f} s")
     rows = []
     for name, res in results.items():

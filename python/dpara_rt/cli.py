@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from dpara_rt.compare import METHOD_SPECS
+from dpara_rt.methods import VARIANTS, needs_drafter, variant
 
 
 class CliError(Exception):
@@ -75,8 +75,7 @@ def cmd_demo(args):
     for name in DEMO_METHODS:
         with tqdm(total=len(prompts), desc=f"{name:<13}", unit="prompt", file=sys.stderr) as bar:
             results[name] = run_method(name, target, drafter, prompts, args.batch, args.max_new_tokens,
-                                       progress=bar.update, d=args.d, temperature=args.temperature,
-                                       max_len=max(map(len, prompts)) + args.max_new_tokens + 4 * args.d + 8)
+                                       progress=bar.update, d=args.d, temperature=args.temperature)
     rows = [record(res, results["ar"]) for res in results.values()]
     if args.temperature > 0:
         for r in rows:  # sampled outputs differ from ar's by design; losslessness is what the tests check
@@ -99,16 +98,16 @@ def cmd_demo(args):
 
 def cmd_generate(args):
     from dpara_rt.engine import Engine
-    name = args.method
-    if name not in METHOD_SPECS:
-        raise CliError(f"unknown method {name!r}; expected one of {', '.join(METHOD_SPECS)}")
+    try:
+        kw = variant(args.method)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     tokenizer, target, drafter = _load_pair(args)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise CliError("the prompt encodes to no tokens; give some text")
-    eng = Engine(target, drafter if name != "ar" else None, d=args.d, temperature=args.temperature,
-                 seed=args.seed, max_batch=1, max_len=len(ids) + args.max_new_tokens + 4 * args.d + 8,
-                 **METHOD_SPECS[name])
+    eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, temperature=args.temperature,
+                 seed=args.seed, max_batch=1, **kw)
     sys.stdout.write(args.prompt)
     done = []
     for new in eng.stream([ids], args.max_new_tokens):
@@ -162,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="dpara", help=f"one of {', '.join(METHOD_SPECS)}")
+    gen.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
     gen.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)

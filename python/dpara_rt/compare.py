@@ -9,18 +9,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from dpara_rt.engine import Engine
+from dpara_rt.methods import needs_drafter, variant
 from dpara_rt.stats import Stats, fraction_of_ideal
 
-# name -> Engine keyword arguments
-METHOD_SPECS = {
-    "ar": dict(method="ar"),
-    "dspark": dict(method="dspark"),
-    "psd-pearl": dict(method="psd", psd_policy="pearl"),
-    "psd-ssd": dict(method="psd", psd_policy="ssd"),
-    "dpara": dict(method="dpara"),
-    "dpara-single": dict(method="dpara", placement="colocated"),
-    "auto": dict(method="auto"),
-}
 DEMO_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single")
 
 
@@ -56,9 +47,8 @@ def humaneval_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def run_method(name: str, target, drafter, prompts: Sequence[list[int]], batch: int, max_new_tokens: int,
                progress: Callable[[int], None] | None = None, **engine_kwargs) -> MethodResult:
-    if name not in METHOD_SPECS:
-        raise ValueError(f"unknown method {name!r}; expected one of {list(METHOD_SPECS)}")
-    eng = Engine(target, drafter if name != "ar" else None, max_batch=batch, **METHOD_SPECS[name], **engine_kwargs)
+    kw = variant(name)
+    eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, max_batch=batch, **kw, **engine_kwargs)
     res = MethodResult(name)
     eng.generate([list(prompts[0])], min(4, max_new_tokens))  # warm-up: lanes, allocator, caches
     for i in range(0, len(prompts), batch):
@@ -144,4 +134,4 @@ def load_pair(root=None):
     return load_tiny(root=root, drafter_dtype=DRAFTER_DTYPE)
 
 
-__all__ = ["load_pair", "METHOD_SPECS", "MethodResult", "run_method", "record", "table", "anatomy_png", "Stats"]
+__all__ = ["load_pair", "DEMO_METHODS", "MethodResult", "run_method", "record", "table", "anatomy_png", "Stats"]

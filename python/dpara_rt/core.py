@@ -3,7 +3,7 @@
 The core objects are re-exported as they are; this module adds torch views of core memory (zero-copy
 through DLPack), staging copies from torch tensors, a timeline ``span`` context manager, and plain-Python
 reference implementations of the round bookkeeping (``RefRoundState``, ``RefRing``,
-``ref_greedy_accept``, ``ref_tree_metadata``) that the tests and ``bench/bench_core.py`` compare with.
+``ref_greedy_accept``) that the tests and ``bench/bench_core.py`` compare with.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ __all__ = [
     "BoundaryRing", "CudaLane", "Event", "HostLane", "Lane", "Metrics", "RoundState", "Staging", "TensorView",
     "greedy_accept", "now_ns", "tree_mask", "tree_metadata",
     "as_tensor", "ring_tensor", "slot_tensor", "staging_tensor", "stage_in", "stage_out", "make_lane", "span",
-    "ref_greedy_accept", "ref_tree_metadata", "RefRoundState", "RefRing",
+    "ref_greedy_accept", "RefRoundState", "RefRing",
 ]
 
 
@@ -60,7 +60,7 @@ def slot_tensor(ring: BoundaryRing, slot: int) -> torch.Tensor:
     return _from_dlpack(ring.slot(slot))
 
 
-def staging_tensor(staging: Staging, region: str, phase: int = -1, dtype: torch.dtype | None = None,
+def staging_tensor(staging: Staging, region: str, phase: int, dtype: torch.dtype | None = None,
                    shape: Sequence[int] | None = None) -> torch.Tensor:
     """A staging region as a tensor: rb int32 [batch, 2], draft int32 [batch, d], features uint8 [bytes].
 
@@ -84,7 +84,7 @@ def _contiguous_bytes(tensor: torch.Tensor, staging: Staging, region: str) -> in
     return nbytes
 
 
-def stage_in(staging: Staging, lane: Lane, region: str, tensor: torch.Tensor, phase: int = -1) -> None:
+def stage_in(staging: Staging, lane: Lane, region: str, tensor: torch.Tensor, phase: int) -> None:
     """Copy `tensor` into a staging region in `lane`'s order (memcpy task / cudaMemcpyAsync).
 
     The caller keeps `tensor` alive until the lane has passed the copy (e.g. an event recorded after it).
@@ -92,7 +92,7 @@ def stage_in(staging: Staging, lane: Lane, region: str, tensor: torch.Tensor, ph
     staging.copy_in(lane, region, tensor.data_ptr(), _contiguous_bytes(tensor, staging, region), phase)
 
 
-def stage_out(staging: Staging, lane: Lane, region: str, tensor: torch.Tensor, phase: int = -1) -> None:
+def stage_out(staging: Staging, lane: Lane, region: str, tensor: torch.Tensor, phase: int) -> None:
     """Copy a staging region into `tensor` (same byte size or smaller) in `lane`'s order."""
     staging.copy_out(lane, region, tensor.data_ptr(), _contiguous_bytes(tensor, staging, region), phase)
 
@@ -134,29 +134,12 @@ def ref_greedy_accept(draft: Sequence[Sequence[int]], target_argmax: Sequence[Se
     return rs, bonuses
 
 
-def ref_tree_metadata(d: int) -> dict:
-    """Same layout as ``tree_metadata``: spine rows 0..d, then branch r's rows at offsets r+1..r+d."""
-    if not 1 <= d <= 32:
-        raise ValueError(f"tree draft length d must be in 1..32, got {d}")
-    spine, branches = range(d + 1), [(r, j) for r in range(d + 1) for j in range(d)]
-    return {
-        "d": d,
-        "rows": (d + 1) * (d + 1),
-        "query_branch": [-1] * (d + 1) + [r for r, _ in branches],
-        "query_pos_offset": list(spine) + [r + 1 + j for r, j in branches],
-        "query_spine_limit": list(spine) + [r for r, _ in branches],
-        "key_spine": list(spine) + [-1] * len(branches),
-        "key_branch": [-1] * (d + 1) + [r for r, _ in branches],
-    }
-
-
 class RefRoundState:
     """Plain-Python twin of ``RoundState`` (same semantics, lists instead of arrays)."""
 
     def __init__(self, batch: int, d: int, max_new_tokens: int, eos_ids: Sequence[int], max_len: int):
         self.batch, self.d, self.max_new_tokens, self.max_len = batch, d, max_new_tokens, max_len
         self.eos_ids = set(eos_ids)
-        self.offsets = ref_tree_metadata(d)["query_pos_offset"]
         self.rounds = 0
 
     def _append(self, b: int, tok: int) -> bool:
@@ -219,9 +202,6 @@ class RefRoundState:
             self._stop_if_no_room(b)
         self.rounds += 1
         return committed
-
-    def positions(self) -> list[list[int]]:
-        return [[pos + off for off in self.offsets] for pos in self.target_pos]
 
     def finished(self) -> list[bool]:
         return [bool(x) for x in self.reasons]

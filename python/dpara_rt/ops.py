@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from dpara_rt import _core
 from dpara_rt.kernels import _triton
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton
 from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_size
@@ -21,7 +22,7 @@ from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_trit
 
 __all__ = ["backend", "tree_attention", "markov_head", "verify_greedy", "verify_sample", "MAX_DRAFT"]
 
-MAX_DRAFT = 32  # largest draft length d the kernels accept
+MAX_DRAFT = _core.MAX_DRAFT  # largest draft length d: the core owns the limit, the kernels follow it
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _SEED_LIMIT = 1 << 63
 _COUNTER_LIMIT = 1 << 32  # Gumbel counters (b*d + j)*V + v are 32-bit

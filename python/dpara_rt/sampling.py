@@ -1,12 +1,15 @@
 """Token selection shared by every decoding method: temperature, top-p (nucleus), seeded draws.
 
 Draws go through `inverse_cdf(p, u)` with explicit uniforms so that a seeded torch.Generator makes runs
-repeat, and so that verification code can reuse the same rule with its own uniforms.
+repeat. It is the verification kernels' own float64 rule (a float32 running sum drifts by more than a
+token's mass at V ~ 150k), so AR sampling and lossless verification draw alike.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from dpara_rt.kernels.verify import inverse_cdf
 
 
 def check_sampling(temperature: float, top_p: float):
@@ -35,16 +38,6 @@ def probs(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0) -> Tenso
     if temperature == 0:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p)
-
-
-def inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
-    """Index i with cdf[i-1] <= u * total < cdf[i] for p [B, V] (unnormalised ok) and u [B] in [0, 1)."""
-    cdf = p.float().cumsum(-1)
-    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # Rounding can put the target on the total; fall back to the last token that has mass.
-    last = p.shape[-1] - 1 - (p > 0).flip(-1).long().argmax(-1)
-    return torch.minimum(idx, last)
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,

@@ -1,4 +1,4 @@
-"""Per-generate statistics (DESIGN.md §3), derived from the round timeline the lanes recorded."""
+"""Per-generate statistics (docs/design.md §5), derived from the round timeline the lanes recorded."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dpara_rt import _core
 
 
 @dataclass
@@ -56,40 +55,46 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
     return max(0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
+def _hidden_ns(drafting: list[tuple[int, int]], verifies: list[tuple[int, int]]) -> int:
+    """Drafting time that overlaps a verify span; both lists sorted by start, verify spans disjoint."""
+    hidden, i = 0, 0
+    for span in drafting:
+        while i < len(verifies) and verifies[i][1] <= span[0]:
+            i += 1
+        j = i
+        while j < len(verifies) and verifies[j][0] < span[1]:
+            hidden += _overlap(span, verifies[j])
+            j += 1
+    return hidden
+
+
 def summarize(dec, method: str, batch: int, wall_s: float, new_tokens: int, trace: bool) -> Stats:
-    d = dec.d
-    st = Stats(method=method, batch=batch, d=d if method != "ar" else 0, temperature=dec.opts.temperature,
-               rounds=dec.round, new_tokens=new_tokens, wall_s=wall_s, fallback_rate=dec.fallbacks / max(dec.round, 1))
-    acc = np.array(dec.accepted) if dec.accepted else np.zeros((0, batch))
-    live = acc[acc >= 0]
-    if live.size:
-        st.tau = float(live.mean() + 1)
-        if method != "ar":
-            st.accept_per_position = [float((live >= i).mean()) for i in range(1, d + 1)]
-            st.acceptance_histogram = np.bincount(live.astype(int), minlength=d + 1).tolist()
-    spans = [s for s in dec.spans if s.phase != "prefill"]
-    rounds = max(dec.round, 1)
-    ms = lambda phases: sum(s.end_ns - s.start_ns for s in spans if s.phase in phases) / 1e6 / rounds
-    st.verify_ms, st.markov_head_ms = ms(("verify",)), ms(("markov_head",))
-    st.backbone_ms = ms(_DRAFT_PHASES)
-    verifies = sorted((s.start_ns, s.end_ns) for s in spans if s.phase == "verify")
+    """Statistics of one decode from the core's metrics: its acceptance histogram and its timeline."""
+    m = dec.metrics
+    d = dec.d if dec.drafter is not None else 0
+    rounds = max(m.rounds, 1)
+    st = Stats(method=method, batch=batch, d=d, temperature=dec.opts.temperature, rounds=m.rounds,
+               new_tokens=new_tokens, wall_s=wall_s, fallback_rate=m.fallbacks / rounds)
+    hist = m.histogram()
+    if hist.sum():
+        st.tau = m.tau
+        if d:
+            st.acceptance_histogram = hist.tolist()
+            st.accept_per_position = [float(hist[i:].sum() / hist.sum()) for i in range(1, d + 1)]
+    events = [e for e in m.events() if e["phase"] != "prefill"]
+    totals = m.phase_totals_ns()
+    ms = lambda phases: sum(totals.get(p, 0) for p in phases) / 1e6 / rounds
+    st.verify_ms, st.markov_head_ms, st.backbone_ms = ms(("verify",)), ms(("markov_head",)), ms(_DRAFT_PHASES)
+    span = lambda e: (e["start_ns"], e["end_ns"])
+    verifies = sorted(span(e) for e in events if e["phase"] == "verify")
     gaps = [b[0] - a[1] for a, b in zip(verifies, verifies[1:])]
     st.exposed_draft_ms = float(np.mean(gaps)) / 1e6 if gaps else 0.0
-    drafting = [(s.start_ns, s.end_ns) for s in spans if s.phase in _DRAFT_PHASES]
+    drafting = sorted(span(e) for e in events if e["phase"] in _DRAFT_PHASES)
     total = sum(e - s for s, e in drafting)
-    hidden = sum(_overlap(x, v) for x in drafting for v in verifies)
-    st.overlap_efficiency = hidden / total if total else 0.0
+    st.overlap_efficiency = _hidden_ns(drafting, verifies) / total if total else 0.0
     if trace:
-        st.trace = chrome_trace(dec, method)
+        st.trace = m.chrome_trace()
     return st
-
-
-def chrome_trace(dec, method: str) -> str:
-    """The rounds as a Chrome / Perfetto trace (open in ui.perfetto.dev), built by the core's metrics."""
-    m = _core.Metrics(dec.d)
-    for s in dec.spans:
-        m.add_event(s.round, s.phase, s.lane, s.start_ns, s.end_ns)
-    return m.chrome_trace()
 
 
 def dump(stats: list[Stats]) -> str:

@@ -2,6 +2,14 @@
 // Lanes: ordered queues of work. A HostLane is a worker thread with a FIFO queue; a CudaLane is a CUDA
 // stream on one device plus a host worker for callables that launch work on it. Work on one lane runs in
 // submission order; wait(event) orders a lane after a point of another lane.
+//
+// Called from one of the lane's own tasks, a lane acts like a CUDA stream seen from the code that feeds it:
+// the running task *is* the lane's current position, and the host work it did so far is complete. So from
+// the lane's worker thread, record() marks the point right after that work (a HostLane returns an event
+// already completed, timestamped now, even with other tasks queued behind), wait(e) orders what the task
+// does next after e (a HostLane blocks the task until e completes; a CudaLane makes its stream wait), and
+// copy_async is issued at once (a HostLane copies inline). A task must not wait for an event that only a
+// later task of its own lane completes. From any other thread each call keeps its queued meaning.
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -58,15 +66,18 @@ class HostLane final : public Lane {
   void copy_async(void* dst, const void* src, std::size_t bytes) override;
   int device() const override { return -1; }
 
-  // Run `fn` in lane order: right now on the caller's thread when the lane is idle (no queued or running
-  // task; cheap, no thread hop), otherwise as a queued task. Errors of an inline run reach the caller.
-  void run_in_order(Task fn);
   // Rethrow (and clear) an exception captured from a task.
   void rethrow_captured();
   std::size_t pending() const;  // queued + running tasks
 
  private:
+  friend class CudaLane;  // its host worker is a HostLane that orders stream operations with run_in_order
   struct State;
+  bool on_worker() const;  // called from one of this lane's own tasks
+  // Run `fn` in lane order: at once on the caller's thread when called from the lane's own task or when the
+  // lane is idle (cheap, no thread hop; the worker starts nothing until it returns), otherwise as a queued
+  // task. Errors of an inline run reach the caller.
+  void run_in_order(Task fn);
   static void run(State& s);  // the worker loop; touches only the shared state, never the lane object
   std::shared_ptr<State> s_;  // shared with the worker thread, which may outlive the lane object
 };

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "dpara_rt/types.h"
+
 namespace dpara_rt {
 
 struct TimelineEvent {
@@ -17,13 +19,15 @@ struct TimelineEvent {
 
 class Metrics {
  public:
-  explicit Metrics(int d);  // histogram bins 0..d; std::invalid_argument unless 1 <= d <= 32
+  explicit Metrics(int d);  // histogram bins 0..d; std::invalid_argument unless 1 <= d <= kMaxDraft
 
   // std::invalid_argument when end_ns < start_ns.
   void add_event(std::int64_t round, std::string phase, std::string lane, std::int64_t start_ns, std::int64_t end_ns);
   // One round of a batch: the acceptance length r[b] (0..d) of each running request; `fallback`: the round's
   // drafting guess missed (PSD) and the drafter had to run serially.
   void record_round(const std::int64_t* r, std::int64_t n, bool fallback = false);
+  // A fallback found after its round was recorded (PSD learns of a miss only when the next round drafts).
+  void record_fallback();
   void clear();
 
   int d() const { return d_; }

@@ -18,10 +18,8 @@ const char* slot_state_name(SlotState s);
 
 class BoundaryRing {
  public:
-  static constexpr int kMaxD = 32;
-
   // device -1: aligned host memory (CPU backend); device >= 0: cudaMalloc on that device.
-  // Throws std::invalid_argument naming the value for capacity < 1, batch < 1, d outside 1..32, vocab < 1
+  // Throws std::invalid_argument naming the value for capacity < 1, batch < 1, d outside 1..kMaxDraft, vocab < 1
   // or a dtype other than float32 / bfloat16 / float16.
   BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, DType dtype, int device = -1);
 

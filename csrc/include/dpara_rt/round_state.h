@@ -1,5 +1,5 @@
 #pragma once
-// Per-request bookkeeping of speculative rounds (DESIGN.md §1), over plain host arrays.
+// Per-request bookkeeping of speculative rounds (docs/design.md §1), over plain host arrays.
 //
 // Positions: after start(), request b has prompt_len committed tokens in the target's and the drafter's
 // caches and one committed-but-uncached token, the prefill's next token, which is spine[0]. A round
@@ -8,6 +8,8 @@
 // committed_len() == target_pos + 1 while a request runs.
 #include <cstdint>
 #include <vector>
+
+#include "dpara_rt/types.h"
 
 namespace dpara_rt {
 
@@ -37,7 +39,7 @@ struct TreeMeta {
                                           : key_branch[std::size_t(k)] == query_branch[std::size_t(q)];
   }
 };
-TreeMeta tree_meta(int d);  // std::invalid_argument unless 1 <= d <= 32
+TreeMeta tree_meta(int d);  // std::invalid_argument unless 1 <= d <= kMaxDraft
 
 class RoundState {
  public:
@@ -57,8 +59,6 @@ class RoundState {
   // at max_new_tokens or at max_len even inside the block; then spine[0] = bonus, the positions advance
   // and `slot` (the ring slot of this round, -1 for none) joins each running request's history.
   void commit(const std::int64_t* r, const std::int64_t* bonus, int slot, std::int64_t* committed_out);
-  // Absolute position of every tree row per request: out[b][q] = target_pos(b) + query_pos_offset[q].
-  void positions(std::int64_t* out) const;
 
   int batch() const { return batch_; }
   int d() const { return d_; }

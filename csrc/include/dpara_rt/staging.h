@@ -1,7 +1,8 @@
 #pragma once
 // Staging: the small cross-device messages of a round in pinned host memory (cudaHostAlloc with CUDA,
 // 64-byte aligned host memory on the CPU backend), double-buffered: while a lane copies into one phase,
-// the host reads the other; flip() swaps them. Regions per phase:
+// the host reads the other. The caller names the phase (0 or 1) on every access, e.g. from the round's
+// parity, so producer and consumer of a round agree without shared mutable state. Regions per phase:
 //   rb       int32 [batch, 2]   (r, bonus) per request
 //   draft    int32 [batch, d]   draft tokens
 //   features uint8 [feature_bytes]  accepted-token features, in whatever layout the caller uses
@@ -27,18 +28,15 @@ class Staging {
   // device -1: plain aligned host memory (CPU backend).
   Staging(int batch, int d, std::size_t feature_bytes, int device = -1);
 
-  int phase() const { return phase_; }
-  int flip() { return phase_ = 1 - phase_; }  // returns the new current phase
-
-  // phase -1 means the current phase; otherwise 0 or 1 (std::invalid_argument naming it).
-  void* data(StagingRegion region, int phase = -1) const;
+  // phase: 0 or 1 (anything else -> std::invalid_argument naming it).
+  void* data(StagingRegion region, int phase) const;
   std::size_t bytes(StagingRegion region) const;
-  TensorView view(StagingRegion region, int phase = -1) const;
+  TensorView view(StagingRegion region, int phase) const;
 
   // Copy `bytes` bytes from `src` into the region (copy_in) or from the region to `dst` (copy_out) in
   // `lane`'s order; src/dst may be device memory on a CudaLane. bytes must fit in the region.
-  void copy_in(Lane& lane, StagingRegion region, const void* src, std::size_t bytes, int phase = -1);
-  void copy_out(Lane& lane, StagingRegion region, void* dst, std::size_t bytes, int phase = -1);
+  void copy_in(Lane& lane, StagingRegion region, const void* src, std::size_t bytes, int phase);
+  void copy_out(Lane& lane, StagingRegion region, void* dst, std::size_t bytes, int phase);
 
   int batch() const { return batch_; }
   int d() const { return d_; }
@@ -47,14 +45,13 @@ class Staging {
   int device() const { return device_; }
 
  private:
-  int resolve_phase(int phase) const;
+  static int check_phase(int phase);
   void check_fits(StagingRegion region, std::size_t bytes) const;
   int batch_, d_;
   std::size_t feature_bytes_;
   int device_;
   std::size_t offset_[3] = {0, 0, 0};  // region offsets inside one phase
   std::size_t phase_bytes_ = 0;
-  int phase_ = 0;
   std::shared_ptr<Buffer> buf_;
 };
 

@@ -1,10 +1,14 @@
 #pragma once
-// Small vocabulary types shared by every part of the core: element types, the host clock.
+// Small vocabulary types shared by every part of the core: the draft limit, element types, the host clock.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
 namespace dpara_rt {
+
+// Largest draft length d anywhere in the runtime: the tree layout, the boundary ring, staging, metrics and
+// (through _core.MAX_DRAFT) the Python layer and its kernels all take it from here.
+constexpr int kMaxDraft = 32;
 
 enum class DType : std::uint8_t { float32, bfloat16, float16, int32, int64, uint8 };
 

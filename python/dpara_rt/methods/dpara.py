@@ -8,42 +8,25 @@ Round 1 has no spine yet and is drafted serially; that is not a fallback, and th
 """
 from __future__ import annotations
 
-from dpara_rt.methods.common import Decoder, slot_tensor
+from dpara_rt.methods.rounds import Decoder, Draft, Outcome
 
 
-def run(dec: Decoder):
-    def launch(draft, q):  # drafter lane: verify the draft, fill a ring slot for every outcome meanwhile
-        block = dec.block(draft)
-        slot = dec.ring.acquire()
-        boundary = slot_tensor(dec.ring, slot)
-        dec.post(dec.target_lane, "verify", lambda: verify(block, q, slot, boundary))
-        return block, slot, boundary
+def run(dec: Decoder, first: Outcome):
+    def launch(prev: Outcome, tokens, q, absorb: bool):  # drafter lane: verify the draft, fill a slot meanwhile
+        nxt = dec.send(prev, tokens, q)
+        slot = dec.ring.acquire(dec.drafter_lane.core)
+        dec.post(dec.target_lane, "verify", lambda: verify(nxt, slot))
+        if absorb:  # the backbone's context must hold what `prev` accepted
+            dec.post(dec.drafter_lane, "context", lambda: dec.absorb(prev))
+        dec.post(dec.drafter_lane, "backbone", lambda: dec.fill_boundary(nxt, slot))
 
-    def backbone(block, slot, boundary):  # drafter lane, overlapping verify
-        dec.drafter.boundary_logits(dec.cache, block.to(boundary.device), out=boundary)
-        dec.ring.mark_ready(slot)
+    def verify(nxt: Draft, slot: int):  # target lane
+        out = dec.verify_and_accept(nxt, slot)
+        if not out.finished:
+            dec.post(dec.drafter_lane, "markov_head", lambda: markov_head(out, slot))
 
-    def verify(block, q, slot, boundary):  # target lane
-        if dec.verify_and_accept(block, q, slot) is None:
-            return
-        rb = dec.stage_outcome(dec.last_r, dec.bonus)
-        context = dec.context_job()
-        dec.post(dec.drafter_lane, "markov_head", lambda: markov_head(slot, boundary, rb, context))
+    def markov_head(out: Outcome, slot: int):  # drafter lane: the only drafting on the critical path
+        launch(out, *dec.draft_from_boundary(out, slot), absorb=True)
 
-    def markov_head(slot, boundary, rb, context):  # drafter lane: the only drafting on the critical path
-        r, bonus = rb[:, 0].long(), rb[:, 1].long()
-        dec.ring.select(slot, r.numpy())
-        try:
-            draft, q = dec.markov(boundary, r, bonus)
-        finally:
-            dec.ring.release(slot)
-        nxt = launch(dec.stage_draft(draft), q)
-        dec.post(dec.drafter_lane, "context", context)
-        dec.post(dec.drafter_lane, "backbone", lambda: backbone(*nxt))
-
-    def first_round():  # drafter lane
-        nxt = launch(*dec.draft_serial())
-        dec.post(dec.drafter_lane, "backbone", lambda: backbone(*nxt))
-
-    dec.post(dec.drafter_lane, "serial_draft", first_round)
-    yield from dec.drain()
+    dec.post(dec.drafter_lane, "context", lambda: dec.absorb(first))
+    dec.post(dec.drafter_lane, "serial_draft", lambda: launch(first, *dec.draft_serial(first), absorb=False))

@@ -2,20 +2,21 @@
 verify_k -> context update -> backbone(anchor = bonus_k) -> Markov head -> verify_{k+1}."""
 from __future__ import annotations
 
-from dpara_rt.methods.common import Decoder
+from dpara_rt.methods.rounds import Decoder, Draft, Outcome
 
 
-def run(dec: Decoder):
-    def draft():  # drafter lane
-        draft, q = dec.draft_serial()
-        block = dec.block(draft)
-        dec.post(dec.target_lane, "verify", lambda: verify(block, q))
+def run(dec: Decoder, first: Outcome):
+    def draft(prev: Outcome):  # drafter lane
+        nxt = dec.send(prev, *dec.draft_serial(prev))
+        dec.post(dec.target_lane, "verify", lambda: verify(nxt))
 
-    def verify(block, q):  # target lane
-        if dec.verify_and_accept(block, q) is not None:
-            # The accepted tokens' features must reach the drafter before it can draft again.
-            dec.post(dec.drafter_lane, "context", dec.context_job())
-            dec.post(dec.drafter_lane, "serial_draft", draft)
+    def verify(nxt: Draft):  # target lane
+        out = dec.verify_and_accept(nxt)
+        if not out.finished:
+            after(out)
 
-    dec.post(dec.drafter_lane, "serial_draft", draft)
-    yield from dec.drain()
+    def after(prev: Outcome):  # the accepted tokens' features reach the drafter before it drafts again
+        dec.post(dec.drafter_lane, "context", lambda: dec.absorb(prev))
+        dec.post(dec.drafter_lane, "serial_draft", lambda: draft(prev))
+
+    after(first)

@@ -12,10 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpara_rt.methods.common import Decoder
-from dpara_rt.models.drafter import MASK_ID, dense_attend, serial_layout
-
-POLICIES = ("pearl", "ssd")
+from dpara_rt.methods.rounds import Decoder, Draft, Outcome
 
 
 def draft_probs(dec: Decoder, logits: Tensor, anchor: Tensor, draft: Tensor) -> Tensor:
@@ -46,48 +43,31 @@ def guesses(dec: Decoder, draft: Tensor, q_all: Tensor, policy: str, fanout: int
     return [(r_idx[:, i], bonus[:, i]) for i in range(best.shape[1])]
 
 
-def guessed_block_logits(dec: Decoder, spine: Tensor, r: Tensor, anchor: Tensor, n: int) -> Tensor:
-    """Layout (a) behind a ragged feature-less prefix: row b sees context, spine s_0..s_{r_b}, and its block
-    [anchor_b, MASK x (n-1)] at positions L+r_b+1... Returns [B, n, V]."""
-    drafter, cache = dec.drafter, dec.cache
-    B, S = spine.shape
-    dev = drafter.fc.weight.device
-    tokens = torch.cat([spine, anchor[:, None], torch.full((B, n - 1), MASK_ID, dtype=torch.long)], dim=1)
-    offsets, visible = serial_layout(n, S)
-    visible = visible[None].repeat(B, 1, 1)
-    visible[:, S:, :S] = torch.arange(S)[None, None, :] <= r[:, None, None]  # the block sees spine 0..r
-    positions = cache.lengths[:, None] + offsets
-    positions[:, S:] += r[:, None] + 1 - S                                    # the block stands right after s_r
-    ctx_kv = [cache.layer(i) for i in range(drafter.config.num_layers)]
-    lc = ctx_kv[0][0].shape[2]
-    ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(B, S + n, lc)
-    attend = dense_attend(ctx_visible.to(dev), visible.to(dev), drafter.scale)
-    with torch.no_grad():
-        return drafter.logits(drafter.backbone(tokens.to(dev), positions.to(dev), ctx_kv, attend)[:, S:])
-
-
-def prepare(dec: Decoder, block: Tensor, draft: Tensor, q_all: Tensor, policy: str, fanout: int) -> list[tuple]:
-    """Drafter-lane job during verification: the guesses and a (d+1)-token draft for each."""
+def prepare(dec: Decoder, spine: Tensor, draft: Tensor, q_all: Tensor) -> list[tuple]:
+    """Drafter-lane job during verification: the guesses and a (d+1)-token draft for each. The guessed block
+    for (r, b) stands behind the feature-less spine s_0..s_r (the target is computing its features now)."""
     out = []
-    for r, b in guesses(dec, draft, q_all, policy, fanout):
-        logits = guessed_block_logits(dec, block, r, b, dec.d + 1)
+    for r, b in guesses(dec, draft, q_all, dec.opts.psd_policy, dec.opts.ssd_fanout):
+        logits = dec.drafter.block_logits(dec.cache, b, dec.d + 1, prefix=spine, prefix_seen=r + 1,
+                                           untrained_ok=True)
         g_draft, g_q = dec.markov(logits[:, None], torch.zeros_like(b), b)
         out.append((r, b, g_draft, g_q, draft_probs(dec, logits, b, g_draft)))
     return out
 
 
-def serial(dec: Decoder):
+def serial(dec: Decoder, prev: Outcome):
     """Serial (d+1)-token draft: the extra token is the drafter's guess of the bonus after t_d."""
-    draft, q, logits = dec.draft_serial(dec.d + 1, with_logits=True)
-    return draft, q, draft_probs(dec, logits, dec.bonus, draft)
+    draft, q, logits = dec.draft_serial(prev, dec.d + 1, with_logits=True)
+    return draft, q, draft_probs(dec, logits, prev.bonus, draft)
 
 
-def resolve(cands: list[tuple], r: Tensor, bonus: Tensor, running: Tensor):
+def resolve(cands: list[tuple], out: Outcome):
     """The prepared (draft, q, q_all) for the revealed outcome, or None when any running request missed."""
+    running = out.running
     hit = torch.zeros_like(running)
     src = torch.zeros(len(running), dtype=torch.long)
     for i, (g_r, g_b, *_prepared) in enumerate(cands):
-        match = (g_r == r) & (g_b == bonus) & ~hit
+        match = (g_r.cpu() == out.r) & (g_b.cpu() == out.bonus) & ~hit
         src[match] = i
         hit |= match
     if not bool((hit | ~running).all()):
@@ -97,29 +77,28 @@ def resolve(cands: list[tuple], r: Tensor, bonus: Tensor, running: Tensor):
     return pick(2), pick(3), pick(4)
 
 
-def run(dec: Decoder, policy: str = "pearl", fanout: int = 4):
+def run(dec: Decoder, first: Outcome):
     d = dec.d
 
-    def launch(draft, q, q_all):  # drafter lane: verify the draft, draft for the guesses meanwhile
-        block = dec.block(draft[:, :d])
+    def launch(prev: Outcome, draft, q, q_all):  # drafter lane: verify the draft, draft for the guesses meanwhile
+        nxt = dec.send(prev, draft[:, :d], None if q is None else q[:, :d])
         prepared: dict = {}
-        dec.post(dec.target_lane, "verify", lambda: verify(block, None if q is None else q[:, :d], prepared))
+        dec.post(dec.target_lane, "verify", lambda: verify(nxt, prepared))
         dec.post(dec.drafter_lane, "guess_draft",
-                 lambda: prepared.update(cands=prepare(dec, block, draft, q_all, policy, fanout)))
+                 lambda: prepared.update(cands=prepare(dec, nxt.spine(dec.drafter.device), draft, q_all)))
 
-    def verify(block, q, prepared):  # target lane
-        outcome = dec.verify_and_accept(block, q)
-        if outcome is not None:
-            running = dec.running_mask()
-            dec.post(dec.drafter_lane, "context", dec.context_job())
-            dec.post(dec.drafter_lane, "resolve", lambda: next_round(prepared, *outcome, running))
+    def verify(nxt: Draft, prepared: dict):  # target lane
+        out = dec.verify_and_accept(nxt)
+        if not out.finished:
+            dec.post(dec.drafter_lane, "context", lambda: dec.absorb(out))
+            dec.post(dec.drafter_lane, "resolve", lambda: next_round(prepared, out))
 
-    def next_round(prepared, r, bonus, running):  # drafter lane, after the guesses and the context update
-        nxt = resolve(prepared["cands"], r, bonus, running)
+    def next_round(prepared: dict, out: Outcome):  # drafter lane, after the guesses and the context update
+        nxt = resolve(prepared["cands"], out)
         if nxt is None:  # a miss stalls the whole batch: serial drafting on the critical path
-            dec.fallbacks += 1
-            nxt = dec.timed("serial_draft", dec.drafter_lane, lambda: serial(dec))()
-        launch(*nxt)
+            dec.metrics.record_fallback()
+            nxt = dec.chain.timed("serial_draft", dec.drafter_lane, lambda: serial(dec, out))()
+        launch(out, *nxt)
 
-    dec.post(dec.drafter_lane, "serial_draft", lambda: launch(*serial(dec)))
-    yield from dec.drain()
+    dec.post(dec.drafter_lane, "context", lambda: dec.absorb(first))
+    dec.post(dec.drafter_lane, "serial_draft", lambda: launch(first, *serial(dec, first)))

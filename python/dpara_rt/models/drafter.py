@@ -1,4 +1,4 @@
-"""The drafter: a DFlash backbone with KV injection plus a DSpark Markov head (DESIGN.md §1).
+"""The drafter: a DFlash backbone with KV injection plus a DSpark Markov head (docs/design.md §1).
 
 Rows fed to the backbone are token ids, with ``MASK_ID`` (-1) standing for the learned mask embedding.
 Context rows are the fused target features of committed tokens; row p sits at absolute position p.
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
+from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from dpara_rt.ops import MAX_DRAFT, tree_attention
 
@@ -119,19 +120,15 @@ def serial_layout(d: int, prefix_len: int = 0) -> tuple[Tensor, Tensor]:
     return torch.arange(q), visible
 
 
+@lru_cache(maxsize=64)
 def tree_layout(d: int) -> tuple[Tensor, Tensor]:
     """Layout (b): spine s_0..s_d then branch r = 0..d (d rows each); offsets [Q] and visibility [Q, Q]
-    (the tree attention kernel's own definition, cached there: do not modify).
+    (cached: do not modify). The core's tree metadata owns the layout; this is its torch form.
 
     Spine i sits at offset i and sees spine 0..i; branch r row j sits at offset r+1+j (its first row
     stands where the unknown bonus will be) and sees spine 0..r plus all of branch r.
     """
-    return _tree_offsets(d), tree_mask(d)
-
-
-@lru_cache(maxsize=64)
-def _tree_offsets(d: int) -> Tensor:
-    return tree_position_offsets(d)
+    return tree_position_offsets(d), tree_mask(d)
 
 
 # ---------------------------------------------------------------- modules
@@ -172,20 +169,8 @@ class _Layer(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-@dataclass
-class ContextCache:
+class ContextCache(KVCache):
     """Per-layer K/V of the injected context: k, v [layers, B, kv_heads, max_len, head_dim]; lengths [B] (cpu)."""
-    k: Tensor
-    v: Tensor
-    lengths: Tensor
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K/V trimmed to the longest row (what attention needs)."""
@@ -259,21 +244,32 @@ class Drafter(nn.Module):
         return self.w1, self.w2
 
     # ------------------------------------------------------------ building blocks
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        dev = self.fc.weight.device
+        dev = self.device
         if dev not in self._inv_freq:
             self._inv_freq[dev] = self._inv_freq[torch.device("cpu")].to(dev)
-        return rope_cos_sin(positions.to(dev), self._inv_freq[dev], self.fc.weight.dtype)
+        return rope_cos_sin(positions.to(dev), self._inv_freq[dev], self.dtype)
 
     def embed_rows(self, tokens: Tensor) -> Tensor:
         """Embed row tokens [B, Q]; ``MASK_ID`` rows get the learned mask embedding."""
-        e = F.embedding(tokens.clamp(min=0), self.embed_tokens.weight.detach()).to(self.fc.weight.dtype)
+        e = F.embedding(tokens.clamp(min=0), self.embed_tokens.weight.detach()).to(self.dtype)
         return torch.where((tokens == MASK_ID)[..., None], self.mask_embedding, e)
 
     def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
         w, b = self.lm_head.weight.detach(), self.lm_head.bias
         if out is not None and b is None and out.dtype == hidden.dtype and out.is_contiguous():
-            return torch.matmul(hidden, w.t(), out=out)  # written straight into the ring slot
+            # Written straight into the ring slot as one 2-D product: a batched matmul with out= would copy
+            # the transposed output head on every call.
+            torch.mm(hidden.reshape(-1, hidden.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+            return out
         z = F.linear(hidden, w, None if b is None else b.detach())
         return z if out is None else out.copy_(z)
 
@@ -286,7 +282,7 @@ class Drafter(nn.Module):
         if features.shape[-1] != self.config.feature_size:
             raise ValueError(f"features have width {features.shape[-1]}; expected len(layer_ids) * "
                              f"target_hidden_size = {self.config.feature_size}")
-        c = self.context_norm(self.fc(features.to(self.fc.weight.dtype)))
+        c = self.context_norm(self.fc(features.to(self.dtype)))
         cos, sin = self._rope(positions)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
@@ -319,10 +315,8 @@ class Drafter(nn.Module):
         if batch < 1 or max_len < 1:
             raise ValueError(f"context cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
         c = self.config
-        shape = (c.num_layers, batch, c.num_key_value_heads, max_len, c.head_dim)
-        dtype, device = dtype or self.fc.weight.dtype, device or self.fc.weight.device
-        return ContextCache(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(batch, dtype=torch.long))
+        return ContextCache(c.num_layers, batch, c.num_key_value_heads, max_len, c.head_dim, dtype or self.dtype,
+                            device or self.device)
 
     def _check_cache(self, cache: ContextCache, batch: int, what: str):
         if cache.batch != batch:
@@ -361,10 +355,10 @@ class Drafter(nn.Module):
         cache.lengths.copy_(lengths)
 
     # ------------------------------------------------------------ the two layouts
-    def _check_d(self, d: int) -> None:
+    def _check_d(self, d: int, untrained_ok: bool = False) -> None:
         if not 1 <= d <= MAX_DRAFT:  # unsafe: the kernels (tree attention, Markov head) stop at MAX_DRAFT
             raise ValueError(f"draft length d={d}: expected 1 <= d <= {MAX_DRAFT} (the kernels' limit)")
-        if d > self.config.block_size and d not in self._warned_d:
+        if d > self.config.block_size and not untrained_ok and d not in self._warned_d:
             self._warned_d.add(d)
             warnings.warn(f"draft length d={d} exceeds block_size={self.config.block_size} the drafter was "
                           f"trained for: positions past {self.config.block_size} are untrained (expect lower "
@@ -378,17 +372,21 @@ class Drafter(nn.Module):
         bad = (tokens < 0) | (tokens >= self.config.vocab_size)
         if bad.any():
             raise ValueError(f"{what} holds token id {int(tokens[bad][0])} outside [0, {self.config.vocab_size})")
-        return tokens.to(self.fc.weight.device)
+        return tokens.to(self.device)
 
     @torch.inference_mode()
     def block_logits(self, cache: ContextCache, anchor: Tensor, d: int, prefix: Tensor | None = None,
-                     mask_anchor: bool = False) -> Tensor:
+                     mask_anchor: bool = False, prefix_seen: Tensor | None = None,
+                     untrained_ok: bool = False) -> Tensor:
         """Layout (a): [anchor, MASK x (d-1)] at positions lengths[b].. -> d logits [B, d, V].
 
-        ``prefix`` [B, P] puts P feature-less tokens (causal, not seeing the block) before the anchor;
-        ``mask_anchor`` replaces the anchor by MASK (what branch r of layout (b) sees at the bonus position).
+        ``prefix`` [B, P] puts P feature-less tokens (causal) before the anchor; the block sees the first
+        ``prefix_seen[b]`` of them (default all) and stands right after them (a ragged prefix: PSD's guess
+        that request b accepted prefix_seen[b] - 1 draft tokens). ``mask_anchor`` replaces the anchor by MASK
+        (what branch r of layout (b) sees at the bonus position). ``untrained_ok``: a caller that knowingly
+        reads past block_size (PSD's bonus guess) is not warned.
         """
-        self._check_d(d)
+        self._check_d(d, untrained_ok)
         b = cache.batch
         anchor = self._rows_tokens(torch.as_tensor(anchor).reshape(b, 1), b, "anchor")
         prefix = anchor[:, :0] if prefix is None else self._rows_tokens(prefix, b, "prefix")
@@ -397,12 +395,20 @@ class Drafter(nn.Module):
         p = prefix.shape[1]
         tokens = torch.cat([prefix, anchor, torch.full((b, d - 1), MASK_ID, device=anchor.device)], dim=1)
         offsets, visible = serial_layout(d, p)
+        positions = cache.lengths[:, None] + offsets
+        visible = visible[None]
+        if prefix_seen is not None:
+            seen = torch.as_tensor(prefix_seen, dtype=torch.long).cpu().reshape(-1)
+            if seen.shape != (b,) or (seen < 0).any() or (seen > p).any():
+                raise ValueError(f"prefix_seen = {seen.tolist()}: expected {b} counts in [0, {p}]")
+            visible = visible.repeat(b, 1, 1)
+            visible[:, p:, :p] = torch.arange(p)[None, None, :] < seen[:, None, None]
+            positions[:, p:] += seen[:, None] - p
         ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
         lc = ctx_kv[0][0].shape[2]
         dev = anchor.device
         ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, p + d, lc)
-        positions = cache.lengths[:, None] + offsets
-        attend = dense_attend(ctx_visible.to(dev), visible.to(dev)[None], self.scale)
+        attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
         return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend)[:, p:])
 
     @torch.inference_mode()

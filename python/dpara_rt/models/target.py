@@ -38,6 +38,12 @@ class Target:
     def max_batch(self) -> int:
         return self.cache.batch
 
+    def reserve(self, max_len: int) -> None:
+        """Grow the KV cache to hold `max_len` tokens per row (no-op when it already does)."""
+        if max_len > self.cache.max_len:
+            self.cache = KVCache.for_model(self.config, self.max_batch, max_len, self.model.dtype, self.device)
+            self.batch, self._last_t = 0, 0
+
     @property
     def feature_dim(self) -> int:
         return len(self.layer_ids) * self.config.hidden_size
@@ -64,9 +70,9 @@ class Target:
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
-        """Prefill and commit ragged prompts. Returns (last_logits [B, V], features [B, Tmax, F], prompt_lens [B]);
-        features past a prompt's end are zeros."""
-        lens = self.check_prompts(prompts)
+        """Prefill and commit ragged prompts (checked by check_prompts). Returns (last_logits [B, V],
+        features [B, Tmax, F], prompt_lens [B]); features past a prompt's end are zeros."""
+        lens = [len(p) for p in prompts]
         B, Tmax = len(prompts), max(lens)
         ids = torch.zeros(B, Tmax, dtype=torch.long)
         for i, p in enumerate(prompts):

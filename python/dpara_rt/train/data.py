@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dpara_rt.methods.ar import generate_ar
+from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
 
 _DATA_NAME = "train_data.safetensors"

@@ -1,6 +1,6 @@
 """Held-out tau: simulated greedy speculative rounds against the target's greedy continuation.
 
-Round semantics (DESIGN.md §1): with tokens 0..c-1 committed, the anchor is token c-1 (the last bonus),
+Round semantics (docs/design.md §1): with tokens 0..c-1 committed, the anchor is token c-1 (the last bonus),
 the drafter's context holds features 0..c-2, and the draft proposes tokens c..c+d-1. The target's
 greedy continuation is the ground truth, so r = matching prefix length, the bonus is token c+r and
 the round commits r+1 tokens. tau = mean(r + 1).
@@ -47,7 +47,7 @@ def estimate_tau(drafter: Drafter, data: TrainData, d: int, mode: str = "dspark"
     if data.temperature != 0:
         warnings.warn(f"held-out data was sampled at temperature {data.temperature}: tau against it "
                       "is not the greedy acceptance length", RuntimeWarning, stacklevel=2)
-    dev = drafter.fc.weight.device
+    dev = drafter.device
     committed, rounds = 0, 0
     n_seq = len(data) if max_sequences is None else min(len(data), max_sequences)
     for s in range(n_seq):

@@ -88,7 +88,7 @@ def layout_loss(drafter: Drafter, data: TrainData, index: Tensor, anchors: Tenso
                 ce_weight: float, tv_weight: float, temperature: float = 1.0) -> Tensor:
     """The weighted 0.1 CE + 0.9 TV loss of the drafter (backbone + teacher-forced Markov head) on
     ``anchors`` [B, M] of sequences ``index`` [B], all layouts of a sequence in one forward."""
-    dev = drafter.fc.weight.device
+    dev = drafter.device
     b, m = anchors.shape
     q, d = layout.rows, layout.d
     tokens = data.tokens[index]

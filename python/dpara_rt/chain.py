@@ -1,0 +1,86 @@
+"""Chains of lane jobs: how a decode runs without the caller's thread on the critical path.
+
+A method is a chain of links: each link runs on a lane (verify on the target lane, drafting on the drafter
+lane) and queues the next ones. The caller's thread only drains what the links emit. This module knows
+nothing about rounds: it queues links, times them into the core's ``Metrics`` timeline, carries results
+and errors to the consumer, and stops the chain when the consumer goes away.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterator
+
+from dpara_rt import _core
+from dpara_rt.lanes import Lane
+
+
+class Chain:
+    def __init__(self, lanes: tuple[Lane, ...], metrics: _core.Metrics):
+        self.lanes, self.metrics = lanes, metrics
+        self.round = 0                         # the timeline's round label for links queued from now on
+        self._results: queue.SimpleQueue = queue.SimpleQueue()  # emitted items, None at the end, or an error
+        self._stopped = False
+        self._deferred = threading.local()     # links queued by a running link, submitted once its span closed
+
+    def timed(self, phase: str, lane: Lane, fn: Callable[[], object]) -> Callable[[], object]:
+        """fn wrapped so that each run adds one (round, phase, lane) span to the timeline."""
+        rnd = self.round
+
+        def run():
+            t0 = _core.now_ns()
+            try:
+                return fn()
+            finally:
+                self.metrics.add_event(rnd, phase, lane.name, t0, _core.now_ns())
+        return run
+
+    def run_now(self, lane: Lane, phase: str, fn: Callable[[], object]) -> object:
+        """Run fn on a lane, wait for it, return its result (or raise its error) on the caller's thread."""
+        box: dict = {}
+        job = self.timed(phase, lane, fn)
+        lane.submit(lambda: box.__setitem__("value", job()))
+        lane.synchronize()  # re-raises the job's error
+        return box["value"]
+
+    def post(self, lane: Lane, phase: str, fn: Callable[[], None]) -> None:
+        """Queue a link on a lane. An error ends the chain and reaches the consumer of drain()."""
+        job = self.timed(phase, lane, fn)
+
+        def guarded():
+            if self._stopped:
+                return
+            self._deferred.links = []
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                self._stopped = True
+                self._results.put(e)
+            # Links this one queued go out after its span closed, so spans never include the next link's start.
+            links, self._deferred.links = self._deferred.links, None
+            for target_lane, link in links:
+                target_lane.submit(link)
+
+        if getattr(self._deferred, "links", None) is not None:
+            self._deferred.links.append((lane, guarded))
+        else:
+            lane.submit(guarded)
+
+    def emit(self, item) -> None:
+        self._results.put(item)
+
+    def finish(self) -> None:
+        self._results.put(None)
+
+    def drain(self) -> Iterator:
+        """Yield what the links emit until finish(); re-raise a link's error. Leaving early (an abandoned
+        stream) stops the chain at its next link and waits for the lanes to go idle."""
+        try:
+            while (item := self._results.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._stopped = True
+            for lane in self.lanes:
+                lane.synchronize()

@@ -1,0 +1,303 @@
+"""The steps of a speculative round, shared by every method, and the values that travel between them.
+
+A round's data are values, not decoder state: a ``Draft`` goes from the drafter lane to the target lane, an
+``Outcome`` from the target lane back to the drafter lane. Between lanes they travel through the core: the
+tokens, ``(r, bonus)`` and the verified block's features through a phase of the double-buffered staging
+(round k uses phase k % 2), boundary logits through a ring slot, each hand-off guarded by the producer's
+lane event, and each phase or slot handed back with the consumer's event. On host lanes the same code is
+correct because a job that records or waits on its own lane does so at its current point, as a stream does.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dpara_rt import _core, ops
+from dpara_rt.chain import Chain
+from dpara_rt.core import slot_tensor, stage_in, staging_tensor
+from dpara_rt.lanes import Lane
+from dpara_rt.models.target import Target
+from dpara_rt.sampling import check_sampling, make_generator, probs, sample
+
+PSD_POLICIES = ("pearl", "ssd")
+_SEED_LIMIT = 1 << 63
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What one decode call runs with (the engine's defaults overridden per call)."""
+    d: int = 7
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 64
+    eos_ids: tuple[int, ...] = ()
+    psd_policy: str = "pearl"
+    ssd_fanout: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.d, numbers.Integral) or isinstance(self.d, bool) or not 1 <= self.d <= ops.MAX_DRAFT:
+            raise ValueError(f"d = {self.d!r}; expected an int in 1..{ops.MAX_DRAFT}")
+        if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature = {self.temperature!r}; expected a finite number >= 0 (0 means greedy)")
+        check_sampling(self.temperature, self.top_p)
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) or not 0 <= self.seed < _SEED_LIMIT:
+            raise ValueError(f"seed = {self.seed!r}; expected an int in [0, 2**63)")
+        if not isinstance(self.max_new_tokens, numbers.Integral) or isinstance(self.max_new_tokens, bool) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
+        if self.psd_policy not in PSD_POLICIES:
+            raise ValueError(f"psd_policy {self.psd_policy!r}; expected one of {PSD_POLICIES}")
+        if not isinstance(self.ssd_fanout, numbers.Integral) or self.ssd_fanout < 1:
+            raise ValueError(f"ssd_fanout = {self.ssd_fanout!r}; expected an int >= 1")
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A draft on its way to verification (drafter lane -> target lane)."""
+    round: int               # the round that verifies it
+    bonus: Tensor            # [B] long, host: s_0, the last round's bonus
+    tokens: Tensor | None    # [B, d] long on the drafter's device: t_1..t_d (None: an AR round)
+    staged: Tensor | None    # the same tokens in staging, int32 [B, d]: what the target lane reads
+    q: Tensor | None         # the drafter's distributions [B, d, V] when sampling
+    ready: _core.Event       # drafter lane, after the tokens and q were written
+
+    def spine(self, device) -> Tensor:
+        """[b, t1..td] on `device`, for the drafter's own use (no staging round trip)."""
+        return torch.cat([self.bonus[:, None].to(device), self.tokens], dim=1)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The target's forward over a block: greedy rounds carry its argmax (the round state accepts); sampled
+    rounds and AR carry (r, bonus) as lossless verification drew them."""
+    block: Tensor                # [B, 1+d] long, host
+    features: Tensor             # [B, 1+d, F] in staging phase `phase` (empty for a method without drafter)
+    argmax: Tensor | None = None
+    r: Tensor | None = None
+    bonus: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A committed round (round 0 is the prefill), on its way back to the drafter lane."""
+    round: int
+    r: Tensor                 # [B] long: accepted draft tokens (0 for finished requests)
+    bonus: Tensor             # [B] long: the next s_0 (finished requests keep their last one)
+    tokens: list[list[int]]   # what this round committed per request
+    features: Tensor          # [B, T, F] target features of the verified block (of the prompt at round 0)
+    keep: Tensor              # [B] long: rows of `features` the drafter absorbs (r+1 for running requests)
+    running: Tensor           # [B] bool, after this round
+    ready: _core.Event        # target lane, after features and (r, bonus) were staged
+
+    @property
+    def phase(self) -> int:
+        return self.round % 2
+
+    @property
+    def finished(self) -> bool:
+        return not bool(self.running.any())
+
+
+class Decoder:
+    """One decode call: the target and its cache, the drafter and its context cache, the two lanes, the
+    boundary ring, the staging buffers and the C++ round state, all built here for this batch."""
+
+    def __init__(self, target: Target, drafter, lanes: tuple[Lane, Lane], opts: DecodeOptions,
+                 prompts: list[list[int]], needs_drafter: bool, ring_capacity: int = 2):
+        self.target, self.opts, self.prompts = target, opts, prompts
+        self.drafter = drafter if needs_drafter else None
+        self.target_lane, self.drafter_lane = lanes
+        self.d = opts.d if needs_drafter else 1
+        B = len(prompts)
+        self.chain = Chain(lanes, _core.Metrics(self.d))
+        self.state = _core.RoundState(B, self.d, opts.max_new_tokens, list(opts.eos_ids), target.max_len)
+        self.generator = make_generator(opts.seed)
+        self._markov_calls = 0
+        self.staging = self.cache = self.ring = None
+        self._markov_weights: tuple[Tensor, Tensor] | None = None
+        if needs_drafter:
+            dev = drafter.device
+            feature_bytes = B * (self.d + 1) * target.feature_dim * target.model.dtype.itemsize
+            self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index)
+            self.cache = drafter.new_context_cache(B, target.max_len)
+            self.ring = _core.BoundaryRing(ring_capacity, B, self.d, drafter.config.vocab_size,
+                                           str(drafter.dtype).removeprefix("torch."), self.drafter_lane.device_index)
+            # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
+            self._markov_weights = tuple(w.detach().float().to(dev) for w in drafter.markov_parameters)
+        # The last reader's event per staging region and phase: a writer waits for it before overwriting.
+        self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
+
+    @property
+    def metrics(self) -> _core.Metrics:
+        return self.chain.metrics
+
+    def post(self, lane: Lane, phase: str, fn) -> None:
+        self.chain.post(lane, phase, fn)
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> Outcome:
+        """Prefill and pick each request's first token; the prompt's features go to the drafter directly."""
+        logits, feats, prompt_lens = self.chain.run_now(self.target_lane, "prefill",
+                                                        lambda: self.target.start(self.prompts))
+        first = self.pick(logits)
+        committed = np.zeros(len(self.prompts), dtype=np.int64)
+        self.state.start(prompt_lens.numpy().astype(np.int64), first.numpy().astype(np.int64), committed)
+        return Outcome(0, torch.zeros_like(first), first, [[int(t)] for t in first.tolist()], feats, prompt_lens,
+                       self.running_mask(), _core.Event())
+
+    def running_mask(self) -> Tensor:
+        return torch.from_numpy(~np.asarray(self.state.finished(), dtype=bool))
+
+    # ------------------------------------------------------------------ staging
+    def _stage(self, lane: Lane, region: str, tensor: Tensor, phase: int) -> Tensor:
+        """Copy `tensor` into a staging region in lane order once the region's last reader let go of the
+        phase; returns the staged bytes viewed as `tensor`."""
+        tensor = tensor.contiguous()
+        lane.wait(self._released[region][phase])
+        stage_in(self.staging, lane.core, region, tensor, phase)
+        raw = staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)[:tensor.nbytes]
+        return raw.view(tensor.dtype).view(tensor.shape)
+
+    def _release(self, lane: Lane, region: str, phase: int) -> None:
+        self._released[region][phase] = lane.record()
+
+    # ------------------------------------------------------------------ drafting
+    def absorb(self, out: Outcome) -> None:
+        """Drafter lane: give the drafter's context cache the features of what `out` accepted."""
+        self.drafter_lane.wait(out.ready)
+        self.drafter.extend_context(self.cache, out.features.to(self.drafter.device, non_blocking=True), out.keep)
+        if out.round > 0:
+            self._release(self.drafter_lane, "features", out.phase)
+
+    def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
+        """Drafter lane: stage the draft for the round after `prev`."""
+        rnd = prev.round + 1
+        staged = self._stage(self.drafter_lane, "draft", tokens.to(torch.int32), rnd % 2)
+        return Draft(rnd, prev.bonus, tokens, staged, q, self.drafter_lane.record())
+
+    def no_draft(self, prev: Outcome) -> Draft:
+        """An AR round: the block is the last bonus alone."""
+        return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event())
+
+    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus: (draft [B, n], q)."""
+        w1, w2 = self._markov_weights
+        dev = boundary.device
+        self._markov_calls += 1  # each call draws fresh Gumbel noise
+        return ops.markov_head(boundary, r.to(dev), bonus.to(dev), w1, w2, self.opts.temperature, self.opts.seed,
+                               self._markov_calls)
+
+    def draft_serial(self, prev: Outcome, n: int | None = None, with_logits: bool = False):
+        """DSpark drafting of n (default d) tokens after `prev`: backbone with the bonus as anchor, then the
+        Markov head. Returns (draft, q), plus the backbone logits when asked. Only the d tokens a round
+        verifies need to be within what the drafter was trained for (PSD's extra token is a guess)."""
+        n = n or self.d
+        logits = self.drafter.block_logits(self.cache, prev.bonus, n, untrained_ok=n > self.d)
+        draft, q = self.markov(logits[:, None], torch.zeros_like(prev.bonus), prev.bonus)
+        return (draft, q, logits) if with_logits else (draft, q)
+
+    def fill_boundary(self, draft: Draft, slot: int) -> None:
+        """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`."""
+        boundary = slot_tensor(self.ring, slot)
+        self.drafter.boundary_logits(self.cache, draft.spine(boundary.device), out=boundary)
+        self.ring.mark_ready(slot, self.drafter_lane.record())
+
+    def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
+        """Drafter lane: the Markov head on branch r of ring slot `slot`, from the staged (r, bonus)."""
+        out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
+        rb = staging_tensor(self.staging, "rb", out.phase).long()
+        self._release(self.drafter_lane, "rb", out.phase)
+        r, bonus = rb[:, 0], rb[:, 1]
+        self.ring.select(slot, r.numpy(), lane=self.drafter_lane.core)  # after the backbone's ready event
+        try:
+            return self.markov(slot_tensor(self.ring, slot), r, bonus)
+        finally:
+            self.ring.release(slot, self.drafter_lane.record())
+
+    # ------------------------------------------------------------------ verification
+    def pick(self, logits: Tensor) -> Tensor:
+        return sample(logits, self.opts.temperature, self.opts.top_p, self.generator).cpu()
+
+    def verify(self, draft: Draft) -> Verified:
+        """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
+        draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
+        phase = draft.round % 2
+        if draft.tokens is None:
+            block = draft.bonus[:, None]
+        else:
+            block = torch.cat([draft.bonus[:, None], draft.staged.long()], dim=1)
+            self._release(self.target_lane, "draft", phase)
+        logits, feats = self.target.verify(block)
+        if self.drafter is not None:
+            feats = self._stage(self.target_lane, "features", feats, phase)
+        if draft.tokens is None:  # AR: the bonus is the target's own token
+            tok = self.pick(logits[:, 0])
+            return Verified(block, feats, r=torch.zeros_like(tok), bonus=tok)
+        if not self.opts.sampling:
+            return Verified(block, feats, argmax=logits.argmax(-1).cpu())
+        p = probs(logits, self.opts.temperature, self.opts.top_p)
+        B, d = block.shape[0], block.shape[1] - 1
+        u_accept = torch.rand(B, d, generator=self.generator).to(p.device)
+        u_bonus = torch.rand(B, generator=self.generator).to(p.device)
+        r, bonus = ops.verify_sample(p, draft.q.to(p.device), block[:, 1:].to(p.device), u_accept, u_bonus)
+        return Verified(block, feats, r=r.cpu(), bonus=bonus.cpu())
+
+    def accept(self, verified: Verified, slot: int = -1) -> Outcome:
+        """Target lane: commit the round. The C++ round state accepts (greedy) or takes the drawn (r, bonus),
+        stops at EOS or max_new_tokens inside the block, and the target keeps the KV of s_0..s_r."""
+        block = verified.block
+        B = block.shape[0]
+        running = self.running_mask()
+        draft = block[:, 1:] if block.shape[1] > 1 else torch.zeros(B, self.d, dtype=torch.long)
+        self.state.set_draft(np.ascontiguousarray(draft.numpy(), dtype=np.int64))
+        r, bonus, committed = (np.zeros(B, dtype=np.int64) for _ in range(3))
+        if verified.argmax is not None:
+            self.state.step(np.ascontiguousarray(verified.argmax.numpy(), dtype=np.int64), slot, r, bonus, committed)
+        else:
+            r[:], bonus[:] = verified.r.numpy(), verified.bonus.numpy()
+            self.state.commit(r, bonus, slot, committed)
+        rnd = int(self.state.rounds())
+        self.metrics.record_round(r[running.numpy()])
+        r_t = torch.from_numpy(r)
+        keep = (r_t + 1) * running.long()
+        self.target.commit(keep)
+        # Finished requests keep their last bonus as s_0: their rows still run through the batched forwards.
+        bonus_t = torch.where(running, torch.from_numpy(bonus), block[:, 0])
+        if self.drafter is not None:
+            self._stage(self.target_lane, "rb", torch.stack([r_t, bonus_t], 1).to(torch.int32), rnd % 2)
+        # What a round commits is a prefix of t1..tr, bonus (cut at EOS / max_new_tokens).
+        rows, rl, cl = draft.tolist(), r.tolist(), committed.tolist()
+        tokens = [(rows[b][:rl[b]] + [int(bonus[b])])[:cl[b]] for b in range(B)]
+        self.chain.round = rnd
+        return Outcome(rnd, r_t, bonus_t, tokens, verified.features, keep, self.running_mask(),
+                       self.target_lane.record())
+
+    def verify_and_accept(self, draft: Draft, slot: int = -1) -> Outcome:
+        """Target-lane link: verify, commit, and hand the round's tokens to the consumer."""
+        out = self.accept(self.verify(draft), slot)
+        self.chain.emit(out.tokens)
+        if out.finished:
+            self.chain.finish()
+        return out
+
+    def run(self, method) -> Sequence[list[list[int]]]:
+        """Start the method's chain from the prefill's outcome; yields each round's commits."""
+        first = self.start()
+        yield first.tokens
+        if not first.finished:
+            method(self, first)
+            yield from self.chain.drain()
+
+
+__all__ = ["DecodeOptions", "Decoder", "Draft", "Outcome", "Verified", "PSD_POLICIES"]
