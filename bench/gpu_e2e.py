@@ -13,6 +13,7 @@ import sys
 import torch
 
 from dpara_rt.engine import Engine
+from dpara_rt.methods import needs_drafter, variant
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
@@ -51,9 +52,9 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     for batch in map(int, args.batches.split(",")):
         prompts = [torch.randint(1, args.vocab, (256,), generator=g).tolist() for _ in range(batch)]
-        for name, kw in (("ar", dict(method="ar")), ("dspark", dict(method="dspark", placement="colocated")),
-                         ("dpara-single", dict(method="dpara", placement="colocated"))):
-            eng = Engine(target, drafter if name != "ar" else None, d=7, max_batch=batch, max_len=1024, **kw)
+        for name in ("ar", "dspark", "dpara-single"):  # one GPU: both lanes are streams of it
+            kw = dict(variant(name), placement="colocated")
+            eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=7, max_batch=batch, **kw)
             eng.generate(prompts, 8)
             torch.cuda.synchronize()
             st = eng.generate(prompts, args.max_new_tokens).stats
