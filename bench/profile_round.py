@@ -34,6 +34,23 @@ def _phase_of(event) -> str | None:
     return None
 
 
+def _profile_lanes(eng: Engine, run) -> tuple[list, int]:
+    """Operator events of every lane while `run()` runs, one lane per run: the profiler records only the thread
+    that enables it, and two enabled at once are not supported. Returns (events, rounds profiled)."""
+    events, rounds = [], 0
+    for lane in eng.lanes:
+        prof = torch.autograd.profiler.profile()
+        lane.submit(prof.__enter__)
+        lane.synchronize()
+        try:
+            rounds += run()
+        finally:
+            lane.submit(lambda: prof.__exit__(None, None, None))
+            lane.synchronize()
+        events += prof.function_events
+    return events, rounds // len(eng.lanes)
+
+
 def profile_method(name: str, target, drafter, prompts, batch: int, d: int, max_new_tokens: int, top: int) -> dict:
     kw = variant(name)
     eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=d, max_batch=batch, **kw)
@@ -46,11 +63,11 @@ def profile_method(name: str, target, drafter, prompts, batch: int, d: int, max_
         totals["verify"] += st.verify_ms * st.rounds
         totals["markov_head"] += st.markov_head_ms * st.rounds
         totals["exposed_draft"] += st.exposed_draft_ms * st.rounds
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        prof_rounds = sum(eng.generate(chunk, max_new_tokens).stats.rounds for chunk in batches)
+    events, prof_rounds = _profile_lanes(
+        eng, lambda: sum(eng.generate(chunk, max_new_tokens).stats.rounds for chunk in batches))
     phase_ms: dict[str, float] = defaultdict(float)
     ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for ev in prof.events():
+    for ev in events:
         if ev.name in PHASES:
             phase_ms[ev.name] += ev.cpu_time_total / 1e3
         elif (phase := _phase_of(ev)) is not None:
