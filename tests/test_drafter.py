@@ -47,6 +47,22 @@ def test_branch_r_equals_serial_block_seeing_the_same(drafter, d):
     assert not torch.allclose(boundary[:, 0], boundary[:, d], atol=1e-3)
 
 
+def test_boundary_hidden_states_project_to_the_boundary_logits(drafter):
+    d = 4
+    cache, _ = _filled_cache(drafter, [5, 11])
+    spine = torch.randint(0, drafter.config.vocab_size, (2, d + 1), generator=torch.Generator().manual_seed(4))
+    hidden = drafter.boundary_logits(cache, spine, project=False)
+    assert hidden.shape == (2, d + 1, d, drafter.config.hidden_size)
+    logits = drafter.boundary_logits(cache, spine)
+    for r in (0, 2, d):  # projecting one branch alone gives that branch's boundary logits
+        torch.testing.assert_close(drafter.logits(hidden[:, r]), logits[:, r], atol=2e-5, rtol=1e-4)
+    ring = torch.zeros(2, d + 1, d, drafter.config.hidden_size)
+    assert drafter.boundary_logits(cache, spine, out=ring, project=False) is ring
+    torch.testing.assert_close(ring, hidden)
+    with pytest.raises(ValueError, match="boundary hidden states for d=4 need"):
+        drafter.boundary_logits(cache, spine, out=torch.zeros(2, d + 1, d, 7), project=False)
+
+
 def test_boundary_logits_write_into_a_ring_slot(drafter):
     d, b = 3, 2
     cache, _ = _filled_cache(drafter, [4, 9])

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from dpara_rt.engine import Engine
-from dpara_rt.methods import VARIANTS, variant, variant_name
+from dpara_rt.methods import AUTO_CANDIDATES, VARIANTS, variant, variant_name
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
 from engine_pairs import predictable_pair
 
-SPEC = [("dspark", "split", "pearl"), ("psd", "split", "pearl"), ("psd", "split", "ssd"),
-        ("dpara", "split", "pearl"), ("dpara", "colocated", "pearl")]
+SPEC = ["dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-hidden"]
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +30,18 @@ def ar_reference(target, prompts, max_new, eos=(2,)):
     return generate_ar(t, prompts, max_new, eos_ids=eos)
 
 
-@pytest.mark.parametrize("method,placement,policy", SPEC)
+@pytest.mark.parametrize("name", SPEC)
 @pytest.mark.parametrize("batch,d", [(1, 1), (1, 7), (3, 4), (8, 8), (16, 3)])
-def test_greedy_equals_ar(pair, method, placement, policy, batch, d):
+def test_greedy_equals_ar(pair, name, batch, d):
     target, drafter = pair
     prompts = prompts_for(batch, seed=batch * 31 + d)
     want = ar_reference(target, prompts, 24)
-    eng = Engine(target, drafter, method=method, d=d, placement=placement, psd_policy=policy, max_len=512)
+    eng = Engine(target, drafter, d=d, max_len=512, **variant(name))
     out = eng.generate(prompts, max_new_tokens=24)
     assert out.tokens == want
     st = out.stats
     assert 1.0 <= st.tau <= d + 1
-    if method == "dpara":
+    if eng.method == "dpara":
         assert st.fallback_rate == 0.0
     assert sum(st.acceptance_histogram) > 0
 
@@ -129,6 +128,7 @@ def test_overlap_is_real_on_two_host_lanes():
     (dict(placement="everywhere"), "placement 'everywhere'"),
     (dict(max_batch=17), "max_batch = 17"),
     (dict(psd_policy="oracle", method="psd"), "psd_policy 'oracle'"),
+    (dict(dpara_ring="tokens"), "dpara_ring 'tokens'"),
 ])
 def test_bad_engine_arguments(pair, kwargs, match):
     target, drafter = pair
@@ -165,7 +165,7 @@ def test_auto_picks_a_method_per_batch_size_and_stays_exact(pair):
         prompts = prompts_for(batch, seed=20 + batch)
         out = eng.generate(prompts, 20)
         assert out.tokens == ar_reference(target, prompts, 20)
-        assert eng.auto_choices[batch] in ("dspark", "dpara")
+        assert eng.auto_choices[batch] in AUTO_CANDIDATES
         assert out.stats.method == f"auto({eng.auto_choices[batch]})"
 
 
@@ -232,3 +232,66 @@ def test_every_variant_name_maps_back_to_itself():
     assert variant("psd-ssd") == dict(method="psd", psd_policy="ssd")
     with pytest.raises(ValueError, match="unknown method 'beam'"):
         variant("beam")
+
+
+def test_a_new_call_cancels_a_suspended_stream(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4)
+    prompts = prompts_for(3, seed=17)
+    old = eng.stream(prompts, 32)
+    next(old), next(old)
+    assert eng.generate(prompts, 20).tokens == ar_reference(target, prompts, 20)
+    with pytest.raises(RuntimeError, match="this stream was cancelled"):
+        next(old)
+    assert eng.generate(prompts, 20).tokens == ar_reference(target, prompts, 20)
+
+
+def test_a_suspended_stream_leaves_process_settings_alone(pair):
+    import sys
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dspark", d=3)
+    switch, threads = sys.getswitchinterval(), torch.get_num_threads()
+    it = eng.stream(prompts_for(1, seed=18), 16)
+    next(it)
+    assert sys.getswitchinterval() == switch and torch.get_num_threads() == threads
+    assert not torch.is_inference_mode_enabled()
+    w = torch.ones(2, requires_grad=True)
+    (w * 3).sum().backward()  # the caller's autograd works inside its loop body
+    assert w.grad.tolist() == [3.0, 3.0]
+    list(it)
+
+
+def test_one_engine_serves_one_thread_at_a_time(pair):
+    import threading
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4)
+    prompts = prompts_for(2, seed=19)
+    started, errors, results = threading.Event(), [], []
+
+    def long_call():
+        it = eng._stream(prompts, 200, dict(temperature=None, top_p=None, seed=None), False, hold=True)
+        results.append(next(it))
+        started.set()
+        results.extend(it)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    started.wait()
+    try:
+        eng.generate(prompts, 4)
+    except RuntimeError as e:
+        errors.append(str(e))
+    t.join()
+    assert errors and "decoding in another thread" in errors[0]
+    joined = [sum((r[b] for r in results), []) for b in range(2)]
+    assert joined == ar_reference(target, prompts, 200)
+
+
+def test_a_caller_in_inference_mode_gets_the_same_tokens(pair):
+    target, drafter = pair
+    prompts = prompts_for(2, seed=20)
+    eng = Engine(target, drafter, method="dpara", d=4)
+    with torch.inference_mode():
+        out = eng.generate([prompts[0] * 40], 8)  # grows the cache inside the caller's inference mode
+        assert eng.generate(prompts, 16).tokens == ar_reference(target, prompts, 16)
+    assert out.tokens == ar_reference(target, [prompts[0] * 40], 8)

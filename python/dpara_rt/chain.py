@@ -75,6 +75,14 @@ class Chain:
     def finish(self) -> None:
         self._results.put(None)
 
+    def cancel(self, error: BaseException) -> None:
+        """Stop the chain from outside (its consumer is suspended): queued links are skipped, the one running
+        finishes, and the consumer gets `error` when it resumes."""
+        self._stopped = True
+        self._results.put(error)
+        for lane in self.lanes:
+            lane.synchronize()
+
     def drain(self) -> Iterator:
         """Yield what the links emit until finish(); re-raise a link's error. Leaving early (an abandoned
         stream) stops the chain at its next link and waits for the lanes to go idle."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -21,7 +22,7 @@ from typing import Iterator, Sequence
 import torch
 
 from dpara_rt.lanes import make_lanes
-from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant_name
+from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
 from dpara_rt.methods.rounds import DecodeOptions, Decoder
 from dpara_rt.models.drafter import check_target_compatible
 from dpara_rt.models.target import Target
@@ -42,7 +43,7 @@ class Engine:
     def __init__(self, target, drafter=None, method: str = "dpara", d: int = 7, placement: str = "split",
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_batch: int = MAX_BATCH,
                  max_len: int | None = None, eos_ids: Sequence[int] | None = None, psd_policy: str = "pearl",
-                 ssd_fanout: int = 4, threads_per_lane: int = 1):
+                 ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
         if not 1 <= max_batch <= MAX_BATCH:
@@ -55,7 +56,7 @@ class Engine:
         self.defaults = DecodeOptions(d=d if method != "ar" else 1, temperature=float(temperature), top_p=top_p,
                                       seed=seed, eos_ids=tuple(target.config.eos_token_id if eos_ids is None
                                                                else eos_ids),
-                                      psd_policy=psd_policy, ssd_fanout=ssd_fanout)
+                                      psd_policy=psd_policy, ssd_fanout=ssd_fanout, dpara_ring=dpara_ring)
         self._check_top_p(self.defaults)
         self.model = target
         self.drafter = drafter if needs_drafter(method) else None
@@ -70,10 +71,15 @@ class Engine:
         self.lanes = make_lanes(target.device, self.drafter.device if self.drafter is not None else target.device,
                                 placement, parallel, threads_per_lane)
         self.auto_choices: dict[int, str] = {}   # batch size -> method, for method="auto"
+        self._lock = threading.Lock()
+        self._open: _Ticket | None = None        # the call holding the engine (its stream may be suspended)
 
     @property
     def name(self) -> str:
-        return variant_name(self.method, self.placement, self.defaults.psd_policy)
+        return self._variant(self.method, self.defaults)
+
+    def _variant(self, method: str, opts: DecodeOptions) -> str:
+        return variant_name(method, self.placement, opts.psd_policy, opts.dpara_ring)
 
     def _check_top_p(self, opts: DecodeOptions):
         if self.method != "ar" and opts.top_p < 1 and opts.sampling:
@@ -112,59 +118,143 @@ class Engine:
                top_p: float | None = None, seed: int | None = None, trace: bool = False
                ) -> Iterator[list[list[int]]]:
         """Yield, every round, the new tokens committed per request (the first yield is the prefill's token).
-        After the iterator ends, ``self.last_stats`` holds the statistics."""
-        opts = self.options(max_new_tokens, temperature=None if temperature is None else float(temperature),
-                            top_p=top_p, seed=seed)
+        After the iterator ends, ``self.last_stats`` holds the statistics.
+
+        An engine runs one decode at a time. A new call cancels a stream that is suspended (its chain stops
+        before the new call touches the caches; resuming it raises), and raises while another thread's call is
+        running on this engine. Process-wide settings (switch interval, intra-op threads, inference mode) hold
+        only while the decode runs, never while the stream is suspended in the caller's code."""
+        return self._stream(prompts, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed), trace,
+                            hold=False)
+
+    def _stream(self, prompts, max_new_tokens: int, overrides: dict, trace: bool, hold: bool):
+        if overrides["temperature"] is not None:
+            overrides["temperature"] = float(overrides["temperature"])
+        opts = self.options(max_new_tokens, **overrides)
         prompts = self._prompts(prompts)
+        ticket = self._claim()
+        try:
+            yield from ticket.run(self._decode_prompts(ticket, prompts, opts, trace), hold)
+        finally:
+            with self._lock:
+                if self._open is ticket:
+                    self._open = None
+
+    def _decode_prompts(self, ticket: "_Ticket", prompts: list[list[int]], opts: DecodeOptions, trace: bool):
         self._reserve(prompts, opts)
         self.target.check_prompts(prompts)
-        method = self.auto_choice(prompts, opts) if self.method == AUTO else self.method
-        yield from self._decode(method, prompts, opts, trace)
         if self.method == AUTO:
-            self.last_stats.method = f"{self.name}({method})"
+            choice = self.auto_choice(prompts, opts, ticket)
+            kw = variant(choice)
+            method = kw.pop("method")
+            opts = dataclasses.replace(opts, **kw)
+        else:
+            method = self.method
+        yield from self._decode(ticket, method, prompts, opts, trace)
+        if self.method == AUTO:
+            self.last_stats.method = f"{self.name}({choice})"
 
-    def auto_choice(self, prompts: list[list[int]], opts: DecodeOptions) -> str:
-        """Adaptive mode: the first time a batch size is seen, time a short run of dspark and of dpara on these
-        prompts with the engine's placement, and keep the faster per committed token for that batch size."""
+    def _claim(self) -> "_Ticket":
+        with self._lock:
+            old = self._open
+            if old is not None:
+                if old.executing:
+                    raise RuntimeError("this Engine is decoding in another thread; an Engine runs one decode at a "
+                                       "time: use one Engine per thread")
+                old.cancel()
+            self._open = _Ticket(self._lock)
+            return self._open
+
+    def auto_choice(self, prompts: list[list[int]], opts: DecodeOptions, ticket: "_Ticket") -> str:
+        """Adaptive mode: the first time a batch size is seen, time a short run of each candidate variant
+        (dspark, dpara with either ring) on these prompts with the engine's placement, and keep the fastest per
+        committed token for that batch size."""
         B = len(prompts)
         if B not in self.auto_choices:
             short = dataclasses.replace(opts, max_new_tokens=min(4 * (opts.d + 1), opts.max_new_tokens))
             cost = {}
-            for method in AUTO_CANDIDATES:
-                for _ in self._decode(method, prompts, short, False):
+            for name in AUTO_CANDIDATES:
+                kw = variant(name)
+                method = kw.pop("method")
+                for _ in self._decode(ticket, method, prompts, dataclasses.replace(short, **kw), False):
                     pass
-                cost[method] = self.last_stats.wall_s / max(self.last_stats.new_tokens, 1)
+                cost[name] = self.last_stats.wall_s / max(self.last_stats.new_tokens, 1)
             self.auto_choices[B] = min(cost, key=cost.get)
         return self.auto_choices[B]
 
-    def _decode(self, method: str, prompts: list[list[int]], opts: DecodeOptions, trace: bool):
+    def _decode(self, ticket: "_Ticket", method: str, prompts: list[list[int]], opts: DecodeOptions, trace: bool):
         spec = METHODS[method]
-        dec = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter)
+        dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter)
         new_tokens = 0
         t0 = time.perf_counter()
-        with torch.inference_mode(), _main_thread_threads(1):
-            for new in dec.run(spec.run):
-                new_tokens += sum(map(len, new))
-                yield new
-        name = self.name if method == self.method else variant_name(method, self.placement, opts.psd_policy)
+        for new in dec.run(spec.run):
+            new_tokens += sum(map(len, new))
+            yield new
+        name = self._variant(method, opts)
         self.last_stats = summarize(dec, name, len(prompts), time.perf_counter() - t0, new_tokens, trace)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, *, temperature: float | None = None,
                  top_p: float | None = None, seed: int | None = None, trace: bool = False) -> Output:
         tokens = [[] for _ in prompts]
-        for new in self.stream(prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                               trace=trace):
+        overrides = dict(temperature=temperature, top_p=top_p, seed=seed)
+        for new in self._stream(prompts, max_new_tokens, overrides, trace, hold=True):
             for out, t in zip(tokens, new):
                 out.extend(t)
         return Output(tokens, self.last_stats)
 
 
+class _Ticket:
+    """One call's hold on an engine: the decoder it runs, whether it is running now, whether a newer call
+    cancelled it."""
+
+    def __init__(self, lock: threading.Lock):
+        self._lock = lock
+        self.decoder: Decoder | None = None
+        self.executing = False
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Called under the engine's lock while the stream is suspended: stop its chain and wait for the lanes."""
+        self.cancelled = True
+        if self.decoder is not None:
+            self.decoder.chain.cancel(RuntimeError("this stream was cancelled: a newer call started a decode on its "
+                                                   "Engine (an Engine runs one decode at a time)"))
+
+    def run(self, gen: Iterator, hold: bool) -> Iterator:
+        """Step `gen` with the decode's settings applied, only while this ticket still owns the engine; `hold`
+        keeps them (and the claim) for the whole run, as generate() does."""
+        if hold:
+            with self._running():
+                yield from gen
+            return
+        while True:
+            with self._running():
+                try:
+                    item = next(gen)
+                except StopIteration:
+                    return
+            yield item
+
+    @contextlib.contextmanager
+    def _running(self):
+        with self._lock:
+            if self.cancelled:
+                raise RuntimeError("this stream was cancelled: a newer call started a decode on its Engine (an "
+                                   "Engine runs one decode at a time)")
+            self.executing = True
+        try:
+            with _main_thread_settings():
+                yield
+        finally:
+            self.executing = False
+
+
 @contextlib.contextmanager
-def _main_thread_threads(n: int):
+def _main_thread_settings():
     # The caller's thread only drains results; the lanes set their own intra-op threads. The lanes hand the GIL
     # to each other at every link, so a short switch interval keeps a waiting link from idling up to 5 ms.
     old, old_switch = torch.get_num_threads(), sys.getswitchinterval()
-    torch.set_num_threads(n)
+    torch.set_num_threads(1)
     sys.setswitchinterval(GIL_SWITCH_S)
     try:
         yield

@@ -26,7 +26,7 @@ METHODS = {
     "dpara": Method(dpara.run, needs_drafter=True, parallel=True),
 }
 AUTO = "auto"                          # adaptive: profiles these per batch size and keeps the faster
-AUTO_CANDIDATES = ("dspark", "dpara")
+AUTO_CANDIDATES = ("dspark", "dpara", "dpara-hidden")  # variant names
 
 # name -> Engine keyword arguments
 VARIANTS = {
@@ -36,10 +36,11 @@ VARIANTS = {
     "psd-ssd": dict(method="psd", psd_policy="ssd"),
     "dpara": dict(method="dpara"),
     "dpara-single": dict(method="dpara", placement="colocated"),
+    "dpara-hidden": dict(method="dpara", dpara_ring="hidden"),
     AUTO: dict(method=AUTO),
     "auto-single": dict(method=AUTO, placement="colocated"),
 }
-_DEFAULTS = dict(placement="split", psd_policy="pearl")
+_DEFAULTS = dict(placement="split", psd_policy="pearl", dpara_ring="logits")
 
 
 def variant(name: str) -> dict:
@@ -53,16 +54,18 @@ def needs_drafter(method: str) -> bool:
     return method == AUTO or METHODS[method].needs_drafter
 
 
-def variant_name(method: str, placement: str = "split", psd_policy: str = "pearl") -> str:
+def variant_name(method: str, placement: str = "split", psd_policy: str = "pearl", dpara_ring: str = "logits") -> str:
     """The variant name of an engine configuration (the inverse of VARIANTS). Only what changes a method's
-    behaviour counts: the PSD policy for psd, the placement for methods that run both lanes at once."""
+    behaviour counts: the PSD policy for psd, the ring's contents for dpara, the placement for methods that
+    run both lanes at once."""
     def relevant(kw: dict) -> tuple:
         m = kw["method"]
         parallel = m == AUTO or METHODS[m].parallel
         return (m, kw.get("placement", _DEFAULTS["placement"]) if parallel else None,
-                kw.get("psd_policy", _DEFAULTS["psd_policy"]) if m == "psd" else None)
+                kw.get("psd_policy", _DEFAULTS["psd_policy"]) if m == "psd" else None,
+                kw.get("dpara_ring", _DEFAULTS["dpara_ring"]) if m == "dpara" else None)
 
-    want = relevant(dict(method=method, placement=placement, psd_policy=psd_policy))
+    want = relevant(dict(method=method, placement=placement, psd_policy=psd_policy, dpara_ring=dpara_ring))
     for name, kw in VARIANTS.items():
         if relevant(kw) == want:
             return name

@@ -26,6 +26,7 @@ from dpara_rt.models.target import Target
 from dpara_rt.sampling import check_sampling, make_generator, probs, sample
 
 PSD_POLICIES = ("pearl", "ssd")
+RING_CONTENTS = ("logits", "hidden")  # what DPara's ring holds per branch row: boundary logits, or hidden states
 _SEED_LIMIT = 1 << 63
 
 
@@ -40,6 +41,7 @@ class DecodeOptions:
     eos_ids: tuple[int, ...] = ()
     psd_policy: str = "pearl"
     ssd_fanout: int = 4
+    dpara_ring: str = "logits"
 
     def __post_init__(self):
         if not isinstance(self.d, numbers.Integral) or isinstance(self.d, bool) or not 1 <= self.d <= ops.MAX_DRAFT:
@@ -56,6 +58,8 @@ class DecodeOptions:
             raise ValueError(f"psd_policy {self.psd_policy!r}; expected one of {PSD_POLICIES}")
         if not isinstance(self.ssd_fanout, numbers.Integral) or self.ssd_fanout < 1:
             raise ValueError(f"ssd_fanout = {self.ssd_fanout!r}; expected an int >= 1")
+        if self.dpara_ring not in RING_CONTENTS:
+            raise ValueError(f"dpara_ring {self.dpara_ring!r}; expected one of {RING_CONTENTS}")
 
     @property
     def sampling(self) -> bool:
@@ -125,13 +129,17 @@ class Decoder:
         self.generator = make_generator(opts.seed)
         self._markov_calls = 0
         self.staging = self.cache = self.ring = None
+        self.ring_logits = True
         self._markov_weights: tuple[Tensor, Tensor] | None = None
         if needs_drafter:
             dev = drafter.device
             feature_bytes = B * (self.d + 1) * target.feature_dim * target.model.dtype.itemsize
             self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index)
             self.cache = drafter.new_context_cache(B, target.max_len)
-            self.ring = _core.BoundaryRing(ring_capacity, B, self.d, drafter.config.vocab_size,
+            # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
+            self.ring_logits = opts.dpara_ring == "logits"
+            row = drafter.config.vocab_size if self.ring_logits else drafter.config.hidden_size
+            self.ring = _core.BoundaryRing(ring_capacity, B, self.d, row,
                                            str(drafter.dtype).removeprefix("torch."), self.drafter_lane.device_index)
             # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
             self._markov_weights = tuple(w.detach().float().to(dev) for w in drafter.markov_parameters)
@@ -210,7 +218,7 @@ class Decoder:
     def fill_boundary(self, draft: Draft, slot: int) -> None:
         """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`."""
         boundary = slot_tensor(self.ring, slot)
-        self.drafter.boundary_logits(self.cache, draft.spine(boundary.device), out=boundary)
+        self.drafter.boundary_logits(self.cache, draft.spine(boundary.device), out=boundary, project=self.ring_logits)
         self.ring.mark_ready(slot, self.drafter_lane.record())
 
     def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
@@ -221,7 +229,12 @@ class Decoder:
         r, bonus = rb[:, 0], rb[:, 1]
         self.ring.select(slot, r.numpy(), lane=self.drafter_lane.core)  # after the backbone's ready event
         try:
-            return self.markov(slot_tensor(self.ring, slot), r, bonus)
+            boundary = slot_tensor(self.ring, slot)
+            if self.ring_logits:
+                return self.markov(boundary, r, bonus)
+            rows = boundary[torch.arange(len(r)), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
+            logits = self.drafter.logits(rows)
+            return self.markov(logits[:, None], torch.zeros_like(r), bonus)
         finally:
             self.ring.release(slot, self.drafter_lane.record())
 

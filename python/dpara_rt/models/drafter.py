@@ -412,16 +412,20 @@ class Drafter(nn.Module):
         return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend)[:, p:])
 
     @torch.inference_mode()
-    def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None) -> Tensor:
+    def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
+                        project: bool = True) -> Tensor:
         """Layout (b): spine s_0..s_d at positions lengths[b]..; branch r = d MASK rows at lengths[b]+r+1..;
-        one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given)."""
+        one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given).
+        ``project=False`` stops before the output head: the branches' final hidden states [B, d+1, d, H], of
+        which a caller projects only the branch it needs."""
         b = cache.batch
         spine = self._rows_tokens(spine, b, "spine")
         d = spine.shape[1] - 1
         self._check_d(d)
-        shape = (b, d + 1, d, self.config.vocab_size)
+        shape = (b, d + 1, d, self.config.vocab_size if project else self.config.hidden_size)
         if out is not None and tuple(out.shape) != shape:
-            raise ValueError(f"out has shape {tuple(out.shape)}; boundary logits for d={d} need {shape}")
+            raise ValueError(f"out has shape {tuple(out.shape)}; boundary {'logits' if project else 'hidden states'} "
+                             f"for d={d} need {shape}")
         offsets, _ = tree_layout(d)
         dev = spine.device
         tokens = torch.cat([spine, torch.full((b, (d + 1) * d), MASK_ID, device=dev)], dim=1)
@@ -433,6 +437,8 @@ class Drafter(nn.Module):
 
         ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
         h = self.backbone(tokens, positions, ctx_kv, attend)[:, d + 1:]
+        if not project:
+            return h.reshape(shape) if out is None else out.copy_(h.view(shape))
         if out is None:
             return self.logits(h).view(shape)
         if out.is_contiguous():

@@ -19,9 +19,12 @@ class KVCache:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVCache {name} = {value!r}; expected a positive integer")
         shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # committed tokens per request (host side)
+        # Normal tensors even when made under a caller's inference mode: lanes update them in place under
+        # no_grad, which inference tensors refuse.
+        with torch.inference_mode(False):
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.lengths = torch.zeros(batch, dtype=torch.long)  # committed tokens per request (host side)
 
     @classmethod
     def for_model(cls, config, batch: int, max_len: int, dtype: torch.dtype, device) -> "KVCache":
