@@ -1,6 +1,7 @@
 """The engine and its four methods: greedy outputs equal AR exactly, EOS / max_new_tokens mid-block, ragged
 batches, stats, overlap on two host lanes, bad input."""
 import json
+import re
 
 import pytest
 import torch
@@ -129,6 +130,10 @@ def test_overlap_is_real_on_two_host_lanes():
     (dict(max_batch=17), "max_batch = 17"),
     (dict(psd_policy="oracle", method="psd"), "psd_policy 'oracle'"),
     (dict(dpara_ring="tokens"), "dpara_ring 'tokens'"),
+    (dict(method="psd", psd_policy="ssd", ssd_fanout=65), "ssd_fanout = 65; expected an int in 1..64"),
+    (dict(eos_ids=2), "eos_ids = 2; expected a list"),
+    (dict(eos_ids=["2"]), "eos_ids holds '2'"),
+    (dict(max_len=10 ** 9), "max_len = 1000000000; expected at most the model's max_position_embeddings 4096"),
 ])
 def test_bad_engine_arguments(pair, kwargs, match):
     target, drafter = pair
@@ -145,6 +150,10 @@ def test_bad_requests_fail_before_work(pair):
         eng.generate(prompts_for(5), 8)
     with pytest.raises(ValueError, match="max_new_tokens = 0"):
         eng.generate([[5]], 0)
+    for bad, shown in ((5.7, "5.7 (float)"), (True, "True (bool)"), (b"x", "b'x' (bytes)")):
+        with pytest.raises(ValueError, match=rf"prompt 0 holds {re.escape(shown)}; expected int token ids"):
+            eng.generate([[5, bad]], 4)
+    assert eng.generate([iter([5, 6, 7])], 6).tokens == ar_reference(target, [[5, 6, 7]], 6)  # read once
     # The engine still works after refusing.
     assert eng.generate([[5, 6, 7]], 6).tokens == ar_reference(target, [[5, 6, 7]], 6)
 
@@ -295,3 +304,13 @@ def test_a_caller_in_inference_mode_gets_the_same_tokens(pair):
         out = eng.generate([prompts[0] * 40], 8)  # grows the cache inside the caller's inference mode
         assert eng.generate(prompts, 16).tokens == ar_reference(target, prompts, 16)
     assert out.tokens == ar_reference(target, [prompts[0] * 40], 8)
+
+
+def test_tau_counts_only_what_rounds_committed(pair):
+    target, drafter = pair
+    prompts = prompts_for(1, seed=21)
+    out = Engine(target, drafter, method="dspark", d=8).generate(prompts, 3)
+    st = out.stats
+    assert sum(map(len, out.tokens)) == 3
+    # the prefill's token plus rounds that kept at most 2 more: tau cannot exceed the tokens they committed
+    assert st.tau * sum(st.acceptance_histogram) == pytest.approx(3 - 1)

@@ -47,25 +47,50 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-@pytest.mark.parametrize("method,policy", [("ar", "pearl"), ("dspark", "pearl"), ("psd", "pearl"),
-                                           ("psd", "ssd"), ("dpara", "pearl")])
-def test_sampling_matches_exact_distribution(pair, exact_joint, method, policy):
-    target, drafter = pair
-    eng = Engine(target, drafter, method=method, d=3, temperature=TEMP, psd_policy=policy, max_len=64,
-                 eos_ids=[])
+def sample_counts(eng) -> tuple[np.ndarray, int]:
     counts = np.zeros((V, V, V))
     accepted = 0
     for call in range(N_CALLS):
         out = eng.generate([PROMPT] * BATCH, max_new_tokens=3, seed=1000 * call + 7)
         for toks in out.tokens:
             counts[tuple(toks)] += 1
-        accepted += sum(out.stats.acceptance_histogram[1:]) if method != "ar" else 0
-    if method != "ar":
-        assert accepted > 0, "no draft token was ever accepted: the test would not exercise rejection sampling"
+        accepted += sum(out.stats.acceptance_histogram[1:]) if eng.method != "ar" else 0
+    return counts, accepted
+
+
+def assert_matches(counts: np.ndarray, exact_joint: np.ndarray) -> None:
     p_second, p_third = chi2_pvalue(counts.sum((0, 2)), exact_joint.sum((0, 2))), \
         chi2_pvalue(counts.sum((0, 1)), exact_joint.sum((0, 1)))
     p_pair = chi2_pvalue(counts.sum(0), exact_joint.sum(0))
     assert min(p_second, p_third, p_pair) > 1e-3, (p_second, p_third, p_pair)
+
+
+@pytest.mark.parametrize("method,policy", [("ar", "pearl"), ("dspark", "pearl"), ("psd", "pearl"),
+                                           ("psd", "ssd"), ("dpara", "pearl")])
+def test_sampling_matches_exact_distribution(pair, exact_joint, method, policy):
+    target, drafter = pair
+    eng = Engine(target, drafter, method=method, d=3, temperature=TEMP, psd_policy=policy, max_len=64,
+                 eos_ids=[])
+    counts, accepted = sample_counts(eng)
+    if method != "ar":
+        assert accepted > 0, "no draft token was ever accepted: the test would not exercise rejection sampling"
+    assert_matches(counts, exact_joint)
+
+
+@pytest.mark.parametrize("method", ["dspark", "psd", "dpara"])
+def test_a_drafter_gone_non_finite_keeps_sampling_exact(pair, exact_joint, method):
+    """A damaged drafter (NaN Markov factors: every q is NaN) must not bias the output: its drafts are treated
+    as rejected and the target's own distribution draws each token."""
+    import copy
+    target, drafter = pair
+    broken = copy.deepcopy(drafter)
+    with torch.no_grad():
+        broken.w2.fill_(float("nan"))
+    eng = Engine(target, broken, method=method, d=3, temperature=TEMP, max_len=64, eos_ids=[])
+    with pytest.warns(RuntimeWarning, match="non-finite probabilities"):
+        counts, accepted = sample_counts(eng)
+    assert accepted == 0
+    assert_matches(counts, exact_joint)
 
 
 def test_sampling_repeats_with_a_seed(pair):

@@ -154,3 +154,13 @@ def test_bad_sampling_and_config_values():
     with pytest.raises(ValueError, match="eos_token_id contains \\[99\\]"):
         Qwen3Config(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=4, eos_token_id=[99])
+
+
+def test_non_finite_weights_are_refused(ckpt):
+    def poison(t):
+        w = t[Q_PROJ].clone()
+        w[3, 5] = float("nan")
+        t[Q_PROJ] = w
+    rewrite_weights(ckpt, poison)
+    with pytest.raises(CheckpointError, match=rf"{Q_PROJ}.*non-finite values"):
+        load_qwen3(ckpt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import sys
 import threading
 import time
@@ -53,9 +54,14 @@ class Engine:
         if threads_per_lane < 1:
             raise ValueError(f"threads_per_lane = {threads_per_lane}; expected >= 1")
         self.method, self.placement = method, placement
+        eos_ids = target.config.eos_token_id if eos_ids is None else eos_ids
+        if not isinstance(eos_ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"eos_ids = {eos_ids!r}; expected a list of token ids")
+        cap = getattr(target.config, "max_position_embeddings", None)
+        if max_len is not None and cap is not None and max_len > cap:
+            raise ValueError(f"max_len = {max_len}; expected at most the model's max_position_embeddings {cap}")
         self.defaults = DecodeOptions(d=d if method != "ar" else 1, temperature=float(temperature), top_p=top_p,
-                                      seed=seed, eos_ids=tuple(target.config.eos_token_id if eos_ids is None
-                                                               else eos_ids),
+                                      seed=seed, eos_ids=tuple(eos_ids),
                                       psd_policy=psd_policy, ssd_fanout=ssd_fanout, dpara_ring=dpara_ring)
         self._check_top_p(self.defaults)
         self.model = target
@@ -99,7 +105,14 @@ class Engine:
             raise ValueError(f"prompts = {prompts!r}; expected a non-empty list of token-id lists")
         if len(prompts) > self.target.max_batch:
             raise ValueError(f"batch of {len(prompts)} prompts exceeds max_batch {self.target.max_batch}")
-        return [list(map(int, p)) for p in prompts]
+        out = []
+        for i, p in enumerate(prompts):
+            p = list(p)  # read once: a prompt may be an iterator
+            bad = [t for t in p if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            if bad:
+                raise ValueError(f"prompt {i} holds {bad[0]!r} ({type(bad[0]).__name__}); expected int token ids")
+            out.append([int(t) for t in p])
+        return out
 
     def _reserve(self, prompts: list[list[int]], opts: DecodeOptions) -> None:
         """Size the KV cache for this call: prompt + max_new_tokens + one verify block of slack per round side."""

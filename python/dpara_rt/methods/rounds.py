@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,9 +24,10 @@ from dpara_rt.chain import Chain
 from dpara_rt.core import slot_tensor, stage_in, staging_tensor
 from dpara_rt.lanes import Lane
 from dpara_rt.models.target import Target
-from dpara_rt.sampling import check_sampling, make_generator, probs, sample
+from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample
 
 PSD_POLICIES = ("pearl", "ssd")
+MAX_SSD_FANOUT = 64  # each guess costs one serial backbone forward per round
 RING_CONTENTS = ("logits", "hidden")  # what DPara's ring holds per branch row: boundary logits, or hidden states
 _SEED_LIMIT = 1 << 63
 
@@ -56,8 +58,13 @@ class DecodeOptions:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
         if self.psd_policy not in PSD_POLICIES:
             raise ValueError(f"psd_policy {self.psd_policy!r}; expected one of {PSD_POLICIES}")
-        if not isinstance(self.ssd_fanout, numbers.Integral) or self.ssd_fanout < 1:
-            raise ValueError(f"ssd_fanout = {self.ssd_fanout!r}; expected an int >= 1")
+        if not isinstance(self.ssd_fanout, numbers.Integral) or isinstance(self.ssd_fanout, bool) \
+                or not 1 <= self.ssd_fanout <= MAX_SSD_FANOUT:
+            raise ValueError(f"ssd_fanout = {self.ssd_fanout!r}; expected an int in 1..{MAX_SSD_FANOUT} (each guess "
+                             "costs a backbone forward per round)")
+        bad_eos = [e for e in self.eos_ids if not isinstance(e, numbers.Integral) or isinstance(e, bool) or e < 0]
+        if bad_eos:
+            raise ValueError(f"eos_ids holds {bad_eos[0]!r}; expected non-negative int token ids")
         if self.dpara_ring not in RING_CONTENTS:
             raise ValueError(f"dpara_ring {self.dpara_ring!r}; expected one of {RING_CONTENTS}")
 
@@ -113,6 +120,27 @@ class Outcome:
         return not bool(self.running.any())
 
 
+def _warn_non_finite_draft(dec: "Decoder") -> None:
+    if not dec.warned_non_finite:  # once per call, not once per round
+        dec.warned_non_finite = True
+        warnings.warn("the drafter produced non-finite probabilities; those draft tokens are treated as rejected "
+                      "and the target's own distribution picks the token (output stays exact; speed suffers)",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _stop_at_non_finite(p: Tensor, r: Tensor, bonus: Tensor, finite: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Where acceptance reached a draft position k whose q is not finite, stop there: keep t_1..t_k's verdicts
+    (each made with its own uniform, independent of position k) and draw the bonus from p_k itself, which is
+    exactly what AR would draw, so the round stays lossless whatever the drafter did."""
+    d = finite.shape[1]
+    first_bad = torch.where(finite.all(-1), d, (~finite).int().argmax(-1))
+    hit = r >= first_bad
+    rows = torch.arange(len(r), device=r.device)
+    k = torch.where(hit, first_bad, r)
+    redrawn = inverse_cdf(p[rows, k], u)
+    return k, torch.where(hit, redrawn, bonus)
+
+
 class Decoder:
     """One decode call: the target and its cache, the drafter and its context cache, the two lanes, the
     boundary ring, the staging buffers and the C++ round state, all built here for this batch."""
@@ -128,6 +156,7 @@ class Decoder:
         self.state = _core.RoundState(B, self.d, opts.max_new_tokens, list(opts.eos_ids), target.max_len)
         self.generator = make_generator(opts.seed)
         self._markov_calls = 0
+        self.warned_non_finite = False
         self.staging = self.cache = self.ring = None
         self.ring_logits = True
         self._markov_weights: tuple[Tensor, Tensor] | None = None
@@ -252,6 +281,9 @@ class Decoder:
             block = torch.cat([draft.bonus[:, None], draft.staged.long()], dim=1)
             self._release(self.target_lane, "draft", phase)
         logits, feats = self.target.verify(block)
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
+                                     "expected finite logits (a damaged model or an overflow in its dtype)")
         if self.drafter is not None:
             feats = self._stage(self.target_lane, "features", feats, phase)
         if draft.tokens is None:  # AR: the bonus is the target's own token
@@ -263,7 +295,14 @@ class Decoder:
         B, d = block.shape[0], block.shape[1] - 1
         u_accept = torch.rand(B, d, generator=self.generator).to(p.device)
         u_bonus = torch.rand(B, generator=self.generator).to(p.device)
-        r, bonus = ops.verify_sample(p, draft.q.to(p.device), block[:, 1:].to(p.device), u_accept, u_bonus)
+        q = draft.q.to(p.device)
+        finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
+        if not bool(finite.all()):
+            _warn_non_finite_draft(self)
+            q = torch.where(finite[..., None], q, 0.0)
+        r, bonus = ops.verify_sample(p, q, block[:, 1:].to(p.device), u_accept, u_bonus)
+        if not bool(finite.all()):
+            r, bonus = _stop_at_non_finite(p, r, bonus, finite, u_bonus)
         return Verified(block, feats, r=r.cpu(), bonus=bonus.cpu())
 
     def accept(self, verified: Verified, slot: int = -1) -> Outcome:
@@ -281,7 +320,8 @@ class Decoder:
             r[:], bonus[:] = verified.r.numpy(), verified.bonus.numpy()
             self.state.commit(r, bonus, slot, committed)
         rnd = int(self.state.rounds())
-        self.metrics.record_round(r[running.numpy()])
+        # tau counts what rounds committed: a round cut by EOS / max_new_tokens accepted only what it kept
+        self.metrics.record_round(np.minimum(r, committed - 1)[running.numpy()])
         r_t = torch.from_numpy(r)
         keep = (r_t + 1) * running.long()
         self.target.commit(keep)

@@ -122,6 +122,9 @@ def load_qwen3(path, dtype=torch.float32, device="cpu") -> Qwen3ForCausalLM:
         raise CheckpointError(f"checkpoint {str(root)!r} has weights {unexpected[:8]} that a Qwen3 model with "
                               f"{config.num_hidden_layers} layers does not use; does config.json match the weights?")
     for name, ref in expected.items():
+        if not torch.isfinite(tensors[name]).all():  # a damaged checkpoint would decode to garbage silently
+            raise CheckpointError(f"tensor {name!r} in {str(root)!r} holds non-finite values (NaN or inf); "
+                                  "expected a finite checkpoint")
         if tensors[name].shape != ref.shape:
             raise CheckpointError(f"tensor {name!r} in {str(root)!r} has shape {tuple(tensors[name].shape)}; "
                                   f"the config expects {tuple(ref.shape)}")

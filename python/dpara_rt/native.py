@@ -1,0 +1,75 @@
+"""Native (C++ core) implementations of the kernels for CPU tensors.
+
+``markov_head_native`` has the contract of ``dpara_rt.kernels.markov_head.markov_head_reference`` (same
+drafts, same q, the same Philox stream as the Triton kernel) at a fraction of its cost: one call into
+``_core.markov_head_host``, which runs without the GIL. This module checks the tensors (the core
+validates every extent and index again, naming the value); ``dpara_rt.ops`` decides when to use it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from dpara_rt import _core
+
+__all__ = ["markov_head_native"]
+
+_BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_U64_LIMIT = 1 << 64
+
+
+def _cpu_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor (the native head runs on the host)")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _index_array(name: str, t: torch.Tensor, batch: int):
+    """r / bonus as a contiguous int64 numpy array of [batch] (a view when they already are one)."""
+    _cpu_tensor(name, t, 1)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer indices, got {t.dtype}")
+    if t.shape[0] != batch:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [B] = ({batch},)")
+    return t.to(torch.long).contiguous().numpy()
+
+
+def markov_head_native(boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, w1: torch.Tensor,
+                       w2: torch.Tensor, temperature: float = 0.0, seed: int = 0, offset: int = 0):
+    """(draft [B, d] long, q [B, d, V] float32 when temperature > 0 else None) for CPU tensors.
+
+    boundary [B, n_rows, d, V] float32/bfloat16/float16, contiguous; r, bonus [B] integer; w1 [V, R] and
+    w2 [R, V] float32, contiguous. seed and offset: ints in [0, 2**64).
+    """
+    _cpu_tensor("boundary", boundary, 4)
+    if boundary.dtype not in _BOUNDARY_DTYPES:
+        raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")
+    if not boundary.is_contiguous():
+        raise ValueError(f"boundary with strides {boundary.stride()} is not contiguous; pass boundary.contiguous()")
+    batch, n_rows, d, vocab = boundary.shape
+    for name, w in (("w1", w1), ("w2", w2)):
+        _cpu_tensor(name, w, 2)
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor, got {w.dtype} with strides {w.stride()}")
+    rank = w1.shape[1]
+    if tuple(w1.shape) != (vocab, rank) or tuple(w2.shape) != (rank, vocab):
+        raise ValueError(f"w1 has shape {tuple(w1.shape)} and w2 {tuple(w2.shape)}, expected [V, R] and [R, V] "
+                         f"with V = {vocab} (boundary's last dimension)")
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
+            raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
+    r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
+
+    draft = torch.empty(batch, d, dtype=torch.long)
+    q = torch.empty(batch, d, vocab, dtype=torch.float32) if temperature > 0 else None
+    _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, n_rows, d, vocab, r_np,
+                           bonus_np, w1.data_ptr(), w2.data_ptr(), rank, float(temperature), int(seed), int(offset),
+                           draft.numpy(), 0 if q is None else q.data_ptr())
+    return draft, q
