@@ -1,6 +1,7 @@
 """The `dpara-rt` command line: bad input gives one line and a non-zero exit, never a traceback; the main
 commands run on the embedded pair."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,32 @@ def test_out_pointing_at_a_file(tmp_path):
     f.write_text("")
     rc, _, err = cli("demo", "--out", str(f))
     one_line_error(rc, err, "is a file")
+
+
+def test_out_that_cannot_be_created_or_written(tmp_path):
+    rc, _, err = cli("demo", "--out", "/dev/null/sub")
+    one_line_error(rc, err, "--out /dev/null/sub cannot be written")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permission bits: make the path unusable another way
+            locked.chmod(0o700)
+            locked = locked / "file_not_dir"
+            locked.write_text("")
+            locked = locked / "sub"
+        rc, out, err = cli("demo", "--out", str(locked))
+        one_line_error(rc, err, "cannot be written")
+        assert "tok/s" not in out  # refused before any method ran
+    finally:
+        (tmp_path / "locked").chmod(0o700)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "hot"])
+def test_bad_temperature_is_refused_before_any_output(value):
+    rc, out, err = cli("generate", "x = 1", "--temperature", value)
+    one_line_error(rc, err, "--temperature")
+    assert out == ""
 
 
 @pytest.mark.parametrize("batch", ["0", "17"])

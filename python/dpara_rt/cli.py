@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 
 from dpara_rt.methods import VARIANTS, needs_drafter, variant
 
@@ -37,10 +39,26 @@ def _batch(text):
     return v
 
 
+def _temperature(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature must be a number, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0 (0 = greedy), got {text}")
+    return v
+
+
 def _out_dir(path: str) -> str:
+    """The output directory, created and proven writable before any work starts."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"--out {path} is a file; expected a directory (it is created if missing)")
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise CliError(f"--out {path} cannot be written ({e.strerror or e}); expected a writable directory") from None
     return path
 
 
@@ -110,11 +128,15 @@ def cmd_generate(args):
                  seed=args.seed, max_batch=1, **kw)
     sys.stdout.write(args.prompt)
     done = []
-    for new in eng.stream([ids], args.max_new_tokens):
-        before = tokenizer.decode(done)
-        done += new[0]
-        sys.stdout.write(tokenizer.decode(done)[len(before):])
-        sys.stdout.flush()
+    try:
+        for new in eng.stream([ids], args.max_new_tokens):
+            before = tokenizer.decode(done)
+            done += new[0]
+            sys.stdout.write(tokenizer.decode(done)[len(before):])
+            sys.stdout.flush()
+    except BaseException:
+        print(flush=True)  # the error goes on a line of its own, after the partial output
+        raise
     st = eng.last_stats
     print(f"\n\n[{eng.name}] {st.new_tokens} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
           f"tau {st.tau:.2f}, {st.rounds} rounds", file=sys.stderr)
@@ -153,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=_positive("--prompts"), default=16)
     demo.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
     demo.add_argument("--batch", type=_batch, default=1)
-    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--temperature", type=_temperature, default=0.0)
     demo.add_argument("--d", type=_positive("--d"), default=7)
     demo.add_argument("--out", default="out/demo")
     demo.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
@@ -163,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
     gen.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=_temperature, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--d", type=_positive("--d"), default=7)
     gen.add_argument("--target", help="a Hugging Face Qwen3 directory (default: the embedded pair)")
@@ -193,7 +215,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (CliError, ValueError, RuntimeError, FileNotFoundError) as e:
+    except (CliError, ValueError, RuntimeError, OSError) as e:
         print(f"dpara-rt {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
