@@ -51,9 +51,16 @@ def read_manifest(root: str | os.PathLike = TINY_DIR) -> dict:
 
 
 def verify_assets(root: str | os.PathLike = TINY_DIR) -> dict:
-    """Check every file the manifest lists against its sha256; return the manifest."""
+    """Check every file the manifest lists against its sha256, and that nothing unlisted lies beside them (an
+    entry removed from the manifest must not let an unchecked file load); return the manifest."""
     root = Path(root)
     manifest = read_manifest(root)
+    listed = {Path(rel) for rel in manifest["files"]} | {Path(MANIFEST_NAME)}
+    unlisted = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                      if p.is_file() and p.relative_to(root) not in listed and "__pycache__" not in p.parts)
+    if unlisted:
+        raise AssetError(f"embedded model files {unlisted} in {root} are not listed in the manifest, so they "
+                         f"cannot be checked; {REGENERATE_HINT}")
     for rel, entry in manifest["files"].items():
         path = root / rel
         if not path.is_file():

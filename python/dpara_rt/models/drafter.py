@@ -64,14 +64,22 @@ class DrafterConfig:
     markov_rank: int
 
     def __post_init__(self):
-        self.layer_ids = [int(i) for i in self.layer_ids]
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+        if not isinstance(self.layer_ids, (list, tuple)) or not all(is_int(i) for i in self.layer_ids):
+            raise ValueError(f"layer_ids={self.layer_ids!r}: expected a list of int target layer indices")
+        self.layer_ids = list(self.layer_ids)
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
             raise ValueError(f"layer_ids={self.layer_ids}: expected distinct non-negative target layer indices")
         for name in ("target_hidden_size", "hidden_size", "num_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "block_size",
                      "markov_rank"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: expected a positive integer")
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value!r}: expected a positive finite number")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -471,7 +479,10 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
         raise ValueError(f"corrupt drafter config {file}: {e}") from None
     if not isinstance(blob, dict) or blob.get("format") != _FORMAT or not isinstance(blob.get("config"), dict):
         raise ValueError(f"{file} is not a dpara_rt drafter config (expected format '{_FORMAT}')")
-    return DrafterConfig.from_dict(blob["config"])
+    try:
+        return DrafterConfig.from_dict(blob["config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad drafter config {file}: {e}") from None
 
 
 def check_target_compatible(config: DrafterConfig, target_model: nn.Module) -> None:
