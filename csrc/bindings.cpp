@@ -12,6 +12,7 @@
 #include "dpara_rt/build_info.h"
 #include "dpara_rt/dlpack.h"
 #include "dpara_rt/lane.h"
+#include "dpara_rt/markov_head.h"
 #include "dpara_rt/metrics.h"
 #include "dpara_rt/ring.h"
 #include "dpara_rt/round_state.h"
@@ -343,6 +344,31 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(r, bonus);
       }, py::arg("draft"), py::arg("target_argmax"),
       "Greedy acceptance: (r [B], bonus [B]) from draft [B, d] and target argmax [B, d+1].");
+
+  // Buffers arrive as data_ptr() integers: dpara_rt.native checks the tensors' shapes, dtypes and layout.
+  m.def("markov_head_host", [](std::uintptr_t boundary_ptr, const std::string& boundary_dtype, std::int64_t batch,
+                               std::int64_t n_rows, int d, std::int64_t vocab, const I64Array& r,
+                               const I64Array& bonus, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,
+                               double temperature, std::uint64_t seed, std::uint64_t offset,
+                               const py::object& draft_out, std::uintptr_t q_ptr) {
+        const DType dtype = parse_dtype(boundary_dtype);
+        const std::int64_t* r_data = expect_shape(r, {batch}, "r");
+        const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
+        std::int64_t* draft = out_data(draft_out, {batch, d}, "draft_out");
+        std::int64_t row_stride;  // contiguous rows; an overflow here means a bad d or vocab, which the core names
+        if (__builtin_mul_overflow(std::int64_t(d), vocab, &row_stride)) row_stride = 0;
+        py::gil_scoped_release nogil;
+        markov_head_host(reinterpret_cast<const void*>(boundary_ptr), dtype, batch, n_rows, d, vocab, row_stride,
+                         r_data, bonus_data, reinterpret_cast<const float*>(w1_ptr),
+                         reinterpret_cast<const float*>(w2_ptr), rank, temperature, seed, offset, draft,
+                         reinterpret_cast<float*>(q_ptr));
+      }, py::arg("boundary_ptr"), py::arg("boundary_dtype"), py::arg("batch"), py::arg("n_rows"), py::arg("d"),
+      py::arg("vocab"), py::arg("r"), py::arg("bonus"), py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("rank"),
+      py::arg("temperature"), py::arg("seed"), py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"),
+      "Host Markov head over contiguous boundary [B, n_rows, d, V] and float32 W1 [V, R], W2 [R, V]: writes "
+      "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy).");
+  m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
+        "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
 
   m.def("tree_metadata", [](int d) {
         const TreeMeta t = tree_meta(d);

@@ -68,6 +68,8 @@ def _results_equal(a, b):
 
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("DPARA_RT_OPS", raising=False)
+    assert ops.backend(torch.device("cpu")) == "host"
+    monkeypatch.setenv("DPARA_RT_OPS", "torch")
     assert ops.backend(torch.device("cpu")) == "torch"
     monkeypatch.setenv("DPARA_RT_OPS", "triton")
     assert ops.backend(torch.device("cpu")) == "triton"
@@ -82,6 +84,8 @@ def test_forced_backends_agree(monkeypatch, name):
     monkeypatch.setenv("DPARA_RT_OPS", "torch")
     want = fn(**make())
     monkeypatch.setenv("DPARA_RT_OPS", "triton")
+    _results_equal(fn(**make()), want)
+    monkeypatch.setenv("DPARA_RT_OPS", "host")
     _results_equal(fn(**make()), want)
 
 

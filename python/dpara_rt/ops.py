@@ -1,7 +1,8 @@
-"""The DPara kernels behind one interface: Triton for CUDA tensors, the torch reference for CPU tensors.
+"""The DPara kernels behind one interface: Triton for CUDA tensors; for CPU tensors the C++ core's native
+Markov head and the torch reference for the rest ('host').
 
-The environment variable DPARA_RT_OPS=triton|torch forces a backend (triton on CPU tensors runs under
-TRITON_INTERPRET=1). Every entry point validates its inputs before any launch and raises ValueError
+The environment variable DPARA_RT_OPS=triton|torch|host forces a backend (triton on CPU tensors runs under
+TRITON_INTERPRET=1; torch runs every reference). Every entry point validates its inputs before any launch and raises ValueError
 naming the offending argument; value checks on device tensors (r, bonus, draft, uniforms, ctx_lens)
 cost one host synchronisation per call.
 """
@@ -15,6 +16,7 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.kernels import _triton
+from dpara_rt.native import markov_head_native
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton
 from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_size
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,
@@ -26,16 +28,20 @@ MAX_DRAFT = _core.MAX_DRAFT  # largest draft length d: the core owns the limit, 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _SEED_LIMIT = 1 << 63
 _COUNTER_LIMIT = 1 << 32  # Gumbel counters (b*d + j)*V + v are 32-bit
+_BACKENDS = ("triton", "torch", "host")
 
 
 def backend(device: torch.device) -> str:
-    """'triton' or 'torch' for tensors on `device`, honouring DPARA_RT_OPS."""
+    """'triton', 'host' (native where the core has the op, else the torch reference) or 'torch' for tensors on
+    `device`, honouring DPARA_RT_OPS."""
     forced = os.environ.get("DPARA_RT_OPS", "").strip().lower()
-    if forced in ("triton", "torch"):
+    if forced in _BACKENDS:
         return forced
     if forced not in ("", "auto"):
-        raise ValueError(f"DPARA_RT_OPS={forced!r}: expected 'triton', 'torch' or unset")
-    return "triton" if device.type == "cuda" and _triton.available() else "torch"
+        raise ValueError(f"DPARA_RT_OPS={forced!r}: expected one of {_BACKENDS} or unset")
+    if device.type == "cuda":
+        return "triton" if _triton.available() else "torch"
+    return "host"
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -169,8 +175,12 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
                          "split the batch")
     if batch:
         _in_range(("r", r, 0, n_slots), ("bonus", bonus, 0, vocab))
-    if backend(boundary.device) == "triton":
+    chosen = backend(boundary.device)
+    if chosen == "triton":
         return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
+    if chosen == "host" and boundary.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
+        return markov_head_native(boundary.contiguous(), r.cpu(), bonus.cpu(), w1.contiguous(), w2.contiguous(),
+                                  float(temperature), int(seed), int(offset))
     return markov_head_reference(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
 
 

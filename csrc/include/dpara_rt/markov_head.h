@@ -1,0 +1,35 @@
+#pragma once
+// The host Markov head: the d cheap sequential steps that turn boundary logits into the next draft, for
+// CPU memory. Same contract as markov_head_reference in kernels/markov_head.py (and bit-identical random
+// bits to the Triton kernel). For each request b: x_0 = bonus[b], and for j = 1..d
+//   z_j = float(boundary[b, r[b], j-1, :]) + W1[x_{j-1}, :] @ W2      (fp32 accumulation)
+//   greedy (temperature 0): x_j = argmax z_j                           (ties -> lowest index)
+//   sampling (T > 0):       z_j *= float32(1/T); q[b, j-1] = softmax(z_j); x_j = argmax(z_j + g)
+// where g[v] = -log(-log(u)), u = ((bits >> 9) * 2 + 1) * 2^-24 and bits = philox4x32_10(
+// (b*d + j-1)*V + v, offset, seed): Gumbel-max, i.e. a draw from q[b, j-1]. One difference: a NaN logit
+// is never drafted (torch.argmax would pick the first NaN).
+#include <cstdint>
+
+#include "dpara_rt/types.h"
+
+namespace dpara_rt {
+
+// First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0) under the key
+// (seed_lo, seed_hi): the generator behind tl.philox and kernels/_rng.py's philox4x32.
+std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::uint64_t seed);
+
+// boundary: rows ring[b][r] of d x vocab elements (contiguous), row (b, r) starting at element
+//   (b * n_rows + r) * row_stride; dtype float32, bfloat16 or float16. row_stride >= d * vocab
+//   (d * vocab for a contiguous [batch, n_rows, d, vocab] tensor).
+// r, bonus: [batch]; w1: [vocab, rank] and w2: [rank, vocab] float32, row-major.
+// temperature: 0 = greedy; > 0 samples with the Philox stream (seed, offset) and writes q_out
+//   [batch, d, vocab] (must be null when greedy, non-null when sampling). draft_out: [batch, d].
+// Every extent and index is validated before anything is written: std::invalid_argument names the value
+// and what was expected. Not thread-hostile: no shared state, one scratch allocation per call.
+// (temperature is a double so that float32(1/T) rounds exactly as the Python side does.)
+void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
+                      std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
+                      const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
+                      std::uint64_t offset, std::int64_t* draft_out, float* q_out);
+
+}  // namespace dpara_rt

@@ -1,0 +1,353 @@
+#include "dpara_rt/markov_head.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "util.h"
+
+// The hot functions are compiled twice (GCC function multiversioning) and picked at load time from the
+// CPU: AVX2 + FMA (x86-64-v3) where available, the baseline elsewhere, so the build stays portable (no
+// -march=native). Helpers they call are always_inline, so each clone gets its own vectorised copy.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define DPARA_RT_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DPARA_RT_HOT
+#endif
+#define DPARA_RT_INLINE inline __attribute__((always_inline))
+
+namespace dpara_rt {
+namespace {
+
+constexpr const char* kWhat = "markov_head_host: ";
+constexpr std::int64_t kTile = 1024;  // vocabulary tile: its fp32 accumulator (4 KiB) stays in L1
+constexpr std::int64_t kCounters = std::int64_t(1) << 32;  // Philox counters are 32-bit
+
+// ----------------------------------------------------------------------------- vectorisable math
+
+DPARA_RT_INLINE float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+DPARA_RT_INLINE std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// log and exp as branch-free float code (Cephes' logf / expf polynomials, about 1 ulp), so their loops
+// vectorise: std::log / std::exp stay scalar calls without -ffast-math, and were most of the time of a
+// sampled draft. They differ from torch's (SLEEF) results in the last bit at most, like Triton's do.
+
+// log(x) for positive normal x: the Gumbel transform's inputs u in (0, 1) and -log(u) in (0, 17).
+DPARA_RT_INLINE float log_positive(float x) {
+  const std::uint32_t bits = float_bits(x);
+  std::int32_t e = std::int32_t(bits >> 23) - 126;
+  float m = bits_float((bits & 0x007fffffu) | 0x3f000000u);  // x = m * 2^e, m in [0.5, 1)
+  const bool low = m < 0.707106781186547524f;
+  e -= low;
+  m = (low ? m + m : m) - 1.0f;  // log(x) = log1p(m) + e log(2), m in [-0.29, 0.41)
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  const float fe = float(e);
+  y = y * m * z - 2.12194440e-4f * fe - 0.5f * z;  // log(2) split in two parts (Cody-Waite)
+  return (m + y) + 0.693359375f * fe;
+}
+
+// exp(x) for x <= 0 (softmax's z - max): 0 below -87 (exp < 2^-125), NaN stays NaN.
+DPARA_RT_INLINE float exp_nonpositive(float x) {
+  const bool in_range = x >= -87.0f;       // false for -inf and NaN too
+  const float xc = in_range ? x : -87.0f;  // keeps the int conversion below defined
+  const float fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / log 2): 1.5 * 2^23 trick
+  const float r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;             // x - n log(2), |r| <= log(2) / 2
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const float two_n = bits_float(std::uint32_t(std::int32_t(fn) + 127) << 23);  // n >= -126: a normal float
+  return in_range ? y * two_n : (x < -87.0f ? 0.0f : x);
+}
+
+// ------------------------------------------------------------------------------------------ Philox
+
+struct PhiloxKey {
+  std::uint32_t off_lo, off_hi, k0, k1;
+  PhiloxKey(std::uint64_t offset, std::uint64_t seed)
+      : off_lo(std::uint32_t(offset)), off_hi(std::uint32_t(offset >> 32)), k0(std::uint32_t(seed)),
+        k1(std::uint32_t(seed >> 32)) {}
+};
+
+// Philox4x32-10 (Salmon et al., SC'11) at counter (c0, offset_lo, offset_hi, 0); first output word only.
+// Straight-line 32x32->64 products, so a loop over counters vectorises.
+DPARA_RT_INLINE std::uint32_t philox_word(std::uint32_t c0, const PhiloxKey& key) {
+  std::uint32_t c1 = key.off_lo, c2 = key.off_hi, c3 = 0, k0 = key.k0, k1 = key.k1;
+#pragma GCC unroll 10  // straight-line code, or the counter loop around it does not vectorise
+  for (int round = 0; round < 10; ++round) {
+    const std::uint64_t p0 = std::uint64_t(c0) * 0xD2511F53u, p1 = std::uint64_t(c2) * 0xCD9E8D57u;
+    const std::uint32_t n0 = std::uint32_t(p1 >> 32) ^ c1 ^ k0, n2 = std::uint32_t(p0 >> 32) ^ c3 ^ k1;
+    c1 = std::uint32_t(p1);
+    c3 = std::uint32_t(p0);
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Standard Gumbel noise for counters base .. base+n-1 (wrapping mod 2^32, as the kernels do).
+DPARA_RT_HOT void gumbel_row(float* g, std::uint32_t base, std::int64_t n, PhiloxKey key) {
+  for (std::int64_t v = 0; v < n; ++v) {
+    const std::uint32_t bits = philox_word(base + std::uint32_t(v), key);
+    // odd multiples of 2^-24 in (0, 1): exact in float32, never 0 or 1, so both logs are finite
+    const float u = float(std::int32_t((bits >> 9) * 2 + 1)) * 0x1p-24f;
+    g[v] = -log_positive(-log_positive(u));
+  }
+}
+
+// ------------------------------------------------------------------------------ boundary row loading
+
+// IEEE half -> float, exact for every value (subnormals through an exact int conversion, so a DAZ mode
+// set by someone else cannot flush them).
+DPARA_RT_INLINE float half_float(std::uint16_t h) {
+  const std::uint32_t em = h & 0x7fffu;
+  const std::uint32_t bits = em < 0x0400u ? float_bits(float(std::int32_t(em)) * 0x1p-24f)  // zero, subnormals
+                             : em < 0x7c00u ? (em << 13) + (112u << 23)  // normals: rebias exponent 15 -> 127
+                                            : (em << 13) | 0x7f800000u;  // inf, nan
+  return bits_float(bits | std::uint32_t(h & 0x8000u) << 16);
+}
+
+DPARA_RT_HOT void load_row(float* out, const void* src, DType dtype, std::int64_t n) {
+  if (dtype == DType::float32) {
+    std::memcpy(out, src, std::size_t(n) * sizeof(float));
+    return;
+  }
+  const auto* s = static_cast<const std::uint16_t*>(src);
+  if (dtype == DType::bfloat16) {
+    for (std::int64_t v = 0; v < n; ++v) out[v] = bits_float(std::uint32_t(s[v]) << 16);
+  } else {
+    for (std::int64_t v = 0; v < n; ++v) out[v] = half_float(s[v]);
+  }
+}
+
+// -------------------------------------------------------------------------------------- one step
+
+// 8-float GCC vectors: ymm registers in the AVX2 clone, pairs of xmm in the baseline one. Every function
+// taking or returning them is inlined, so the vector ABI difference GCC warns about never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float F8 __attribute__((vector_size(32)));
+typedef std::int32_t I8 __attribute__((vector_size(32)));
+
+DPARA_RT_INLINE F8 load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+DPARA_RT_INLINE void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
+
+// Arg-max over a stream of values in increasing index order: each of 8 lanes keeps its first maximum
+// (strict >), and the merge breaks ties by the lowest index, as torch.argmax does. NaN is never picked.
+struct ArgMax {
+  F8 lane_val = F8{} - std::numeric_limits<float>::infinity();
+  I8 lane_idx = I8{0, 1, 2, 3, 4, 5, 6, 7};  // an all -inf row yields index 0
+  float tail_val = -std::numeric_limits<float>::infinity();
+  std::int64_t tail_idx = std::numeric_limits<std::int64_t>::max();
+
+  DPARA_RT_INLINE void push8(F8 key, std::int64_t v) {
+    const I8 gt = key > lane_val;
+    lane_val = gt ? key : lane_val;
+    lane_idx = gt ? I8{0, 1, 2, 3, 4, 5, 6, 7} + std::int32_t(v) : lane_idx;
+  }
+  DPARA_RT_INLINE void push1(float key, std::int64_t v) {
+    if (key > tail_val) tail_val = key, tail_idx = v;
+  }
+  DPARA_RT_INLINE std::int64_t index() const {
+    float best = tail_val;
+    std::int64_t idx = tail_idx;
+    for (int l = 0; l < 8; ++l)
+      if (lane_val[l] > best || (lane_val[l] == best && lane_idx[l] < idx)) best = lane_val[l], idx = lane_idx[l];
+    return idx;
+  }
+};
+
+// z[v] = (z[v] + acc[v]) * scale for one tile, fed to the arg-max (with Gumbel noise when sampling).
+template <bool kNoise>
+DPARA_RT_INLINE void finish_tile(float* z, const float* noise, const float* acc, std::int64_t v0, std::int64_t n,
+                                 float scale, ArgMax& best) {
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const F8 s = (load8(z + v0 + i) + load8(acc + i)) * scale;
+    store8(z + v0 + i, s);
+    best.push8(kNoise ? s + load8(noise + v0 + i) : s, v0 + i);
+  }
+  for (; i < n; ++i) {
+    const float s = (z[v0 + i] + acc[i]) * scale;
+    z[v0 + i] = s;
+    best.push1(kNoise ? s + noise[v0 + i] : s, v0 + i);
+  }
+}
+
+// One step of one request: z (the boundary row, as float32) becomes (z + a @ W2) * scale in place; returns
+// arg-max of z (+ noise). Tiled over the vocabulary so the bias accumulator stays in L1 while W2 streams
+// through once; four W2 rows per pass cut the accumulator's loads and stores fourfold.
+DPARA_RT_HOT std::int64_t step(float* z, const float* noise, const float* a, const float* w2, std::int64_t rank,
+                               std::int64_t vocab, float scale) {
+  alignas(64) float acc[kTile];
+  ArgMax best;
+  for (std::int64_t v0 = 0; v0 < vocab; v0 += kTile) {
+    const std::int64_t n = std::min(kTile, vocab - v0);
+    std::fill_n(acc, n, 0.0f);  // the bias alone first, then z + bias: the reference's rounding order
+    std::int64_t k = 0;
+    for (; k + 4 <= rank; k += 4) {
+      const float* p0 = w2 + k * vocab + v0;
+      const float *p1 = p0 + vocab, *p2 = p1 + vocab, *p3 = p2 + vocab;
+      const float a0 = a[k], a1 = a[k + 1], a2 = a[k + 2], a3 = a[k + 3];
+      for (std::int64_t i = 0; i < n; ++i) acc[i] += a0 * p0[i] + a1 * p1[i] + a2 * p2[i] + a3 * p3[i];
+    }
+    for (; k < rank; ++k) {
+      const float* p0 = w2 + k * vocab + v0;
+      const float a0 = a[k];
+      for (std::int64_t i = 0; i < n; ++i) acc[i] += a0 * p0[i];
+    }
+    if (noise) finish_tile<true>(z, noise, acc, v0, n, scale, best);
+    else finish_tile<false>(z, noise, acc, v0, n, scale, best);
+  }
+  return best.index();
+}
+
+// In-place softmax of one row, as torch computes it: max, exp(z - max) and their sum, times 1/sum.
+DPARA_RT_HOT void softmax_row(float* q, std::int64_t n) {
+  F8 m8 = F8{} - std::numeric_limits<float>::infinity();
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const F8 x = load8(q + i);
+    m8 = x > m8 ? x : m8;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
+  for (; i < n; ++i) m = std::max(m, q[i]);
+  for (std::int64_t v = 0; v < n; ++v) q[v] = exp_nonpositive(q[v] - m);
+  F8 sum8{};
+  for (i = 0; i + 8 <= n; i += 8) sum8 += load8(q + i);
+  float sum = 0.0f;
+  for (int l = 0; l < 8; ++l) sum += sum8[l];
+  for (; i < n; ++i) sum += q[i];
+  const float inv = 1.0f / sum;
+  for (std::int64_t v = 0; v < n; ++v) q[v] *= inv;
+}
+
+// ------------------------------------------------------------------------------------- validation
+
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t out;
+  if (__builtin_mul_overflow(a, b, &out)) detail::value_error(kWhat, what, " = ", a, " * ", b, " overflows int64");
+  return out;
+}
+
+// A token id or row index: lo <= value < hi.
+void check_index(const char* name, std::int64_t b, std::int64_t value, std::int64_t hi, const char* bound) {
+  if (value < 0 || value >= hi)
+    detail::value_error(kWhat, name, "[", b, "] = ", value, ", expected 0..", hi - 1, " (", bound, " = ", hi, ")");
+}
+
+void check_args(const void* boundary, DType dtype, std::int64_t batch, std::int64_t n_rows, int d, std::int64_t vocab,
+                std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus, const float* w1,
+                const float* w2, std::int64_t rank, double temperature, const std::int64_t* draft_out,
+                const float* q_out) {
+  using detail::value_error;
+  if (batch < 0) value_error(kWhat, "batch = ", batch, ", expected >= 0");
+  if (n_rows < 1) value_error(kWhat, "n_rows = ", n_rows, ", expected >= 1 (acceptance rows per request)");
+  detail::check_draft_length(d, "markov_head_host:");
+  if (vocab < 1 || vocab > std::numeric_limits<std::int32_t>::max())
+    value_error(kWhat, "vocab = ", vocab, ", expected 1..", std::numeric_limits<std::int32_t>::max());
+  if (rank < 1) value_error(kWhat, "rank = ", rank, ", expected >= 1");
+  if (dtype != DType::float32 && dtype != DType::bfloat16 && dtype != DType::float16)
+    value_error(kWhat, "boundary dtype ", dtype_name(dtype), ", expected float32, bfloat16 or float16");
+  const std::int64_t row = std::int64_t(d) * vocab;  // no overflow: d <= kMaxDraft, vocab < 2^31
+  if (row_stride < row)
+    value_error(kWhat, "row_stride = ", row_stride, ", expected >= d * vocab = ", row, " (rows must not overlap)");
+  // Every byte offset the loops form must fit in int64 (and so in size_t).
+  const std::int64_t rows = checked_mul(batch, n_rows, "batch * n_rows");
+  if (rows > 0)
+    checked_mul(checked_mul(rows - 1, row_stride, "(batch * n_rows - 1) * row_stride") + row,
+                std::int64_t(dtype_size(dtype)), "boundary bytes");
+  checked_mul(checked_mul(vocab, rank, "vocab * rank"), std::int64_t(sizeof(float)), "w1 bytes");
+  const std::int64_t outputs = checked_mul(checked_mul(batch, d, "batch * d"), vocab, "batch * d * vocab");
+  checked_mul(outputs, std::int64_t(sizeof(float)), "q bytes");
+
+  if (!std::isfinite(temperature) || temperature < 0)
+    value_error(kWhat, "temperature = ", temperature, ", expected a finite value >= 0 (0 = greedy)");
+  const bool sample = temperature > 0;
+  if (sample) {
+    if (!std::isfinite(float(1.0 / temperature)))
+      value_error(kWhat, "temperature = ", temperature, ", expected 1/temperature to be finite in float32");
+    if (outputs > kCounters)
+      value_error(kWhat, "batch * d * vocab = ", outputs, ", expected <= 2^32 when sampling (one 32-bit random ",
+                  "counter per drafted logit); split the batch");
+  } else if (q_out) {
+    value_error(kWhat, "q_out is given with temperature 0, expected null (greedy drafting produces no q)");
+  }
+  if (batch == 0) return;
+  const std::pair<const char*, const void*> pointers[] = {
+      {"boundary", boundary}, {"r", r}, {"bonus", bonus}, {"w1", w1}, {"w2", w2}, {"draft_out", draft_out}};
+  for (const auto& [name, p] : pointers)
+    if (!p) value_error(kWhat, name, " is null, expected a buffer (batch = ", batch, ")");
+  if (sample && !q_out) value_error(kWhat, "q_out is null, expected a [batch, d, vocab] float32 buffer when sampling");
+  for (std::int64_t b = 0; b < batch; ++b) {
+    check_index("r", b, r[b], n_rows, "n_rows");
+    check_index("bonus", b, bonus[b], vocab, "vocab");
+  }
+}
+
+}  // namespace
+
+std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::uint64_t seed) {
+  return philox_word(counter, PhiloxKey(offset, seed));
+}
+
+void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
+                      std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
+                      const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
+                      std::uint64_t offset, std::int64_t* draft_out, float* q_out) {
+  check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
+             draft_out, q_out);
+  if (batch == 0) return;
+  const bool sample = temperature > 0;
+  // float32(1/T) exactly as kernels/markov_head.py's inverse_temperature rounds it
+  const float scale = sample ? float(1.0 / temperature) : 1.0f;
+  const PhiloxKey key(offset, seed);
+  const std::size_t esize = dtype_size(boundary_dtype);
+  // Greedy: the row's logits. Sampling: its Gumbel noise (the logits live in q_out until the softmax).
+  std::vector<float> scratch(static_cast<std::size_t>(vocab));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const char* rows = static_cast<const char*>(boundary) + std::size_t((b * n_rows + r[b]) * row_stride) * esize;
+    std::int64_t x = bonus[b];
+    for (int j = 0; j < d; ++j) {
+      const std::int64_t out = b * d + j;
+      float* z = sample ? q_out + out * vocab : scratch.data();
+      load_row(z, rows + std::size_t(j * vocab) * esize, boundary_dtype, vocab);
+      if (sample) gumbel_row(scratch.data(), std::uint32_t(out * vocab), vocab, key);
+      x = step(z, sample ? scratch.data() : nullptr, w1 + x * rank, w2, rank, vocab, scale);
+      check_index("drafted token x", out, x, vocab, "vocab");  // by construction; guards the next W1 read
+      if (sample) softmax_row(z, vocab);
+      draft_out[out] = x;
+    }
+  }
+}
+
+}  // namespace dpara_rt

@@ -1,0 +1,166 @@
+"""Native host Markov head (dpara_rt.native over _core.markov_head_host) == the torch reference (drafts exactly,
+q to float rounding) == the Triton kernel's sampled drafts (interpreted on the CPU); its Philox == kernels/_rng's
+bit for bit; bad arguments raise ValueError naming the value."""
+from __future__ import annotations  # `tl.constexpr` annotations stay strings until triton is loaded
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import (kernels import it lazily)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dpara_rt import _core  # noqa: E402
+from dpara_rt.kernels import _rng  # noqa: E402
+from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton  # noqa: E402
+from dpara_rt.native import markov_head_native  # noqa: E402
+
+SEED, OFFSET = 11, (1 << 32) + 5  # an offset with both 32-bit words set
+
+
+def _inputs(batch, n_rows, d, vocab, rank, dtype=torch.float32, seed=0):
+    """Random logits and weights: continuous values, so near-ties (which fp32 rounding order could flip) are
+    vanishingly rare."""
+    g = torch.Generator().manual_seed(seed)
+    boundary = (torch.randn(batch, n_rows, d, vocab, generator=g) * 3).to(dtype)
+    r = torch.randint(0, n_rows, (batch,), generator=g)
+    bonus = torch.randint(0, vocab, (batch,), generator=g)
+    w1 = torch.randn(vocab, rank, generator=g)
+    w2 = torch.randn(rank, vocab, generator=g) / rank ** 0.5
+    return boundary, r, bonus, w1, w2
+
+
+def _check_matches_reference(args, temperature):
+    draft, q = markov_head_native(*args, temperature, SEED, OFFSET)
+    want, q_ref = markov_head_reference(*args, temperature, SEED, OFFSET)
+    assert draft.dtype == torch.long and draft.shape == want.shape
+    assert torch.equal(draft, want)
+    if temperature == 0:
+        assert q is None and q_ref is None
+    else:
+        assert q.dtype == torch.float32 and q.shape == q_ref.shape
+        torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [1, 16])
+@pytest.mark.parametrize("vocab", [5, 300])
+@pytest.mark.parametrize("d", [1, 4, 7])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_matches_reference(batch, d, vocab, rank, dtype, temperature):
+    _check_matches_reference(_inputs(batch, 3, d, vocab, rank, dtype, seed=batch * 7 + d + vocab), temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_matches_reference_full_vocab(temperature):
+    """The demo's shape: V = 8192 spans several vocabulary tiles, rank 128 several 4-row passes."""
+    _check_matches_reference(_inputs(2, 8, 7, 8192, 128, seed=3), temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_float16_boundary_matches_reference(temperature):
+    _check_matches_reference(_inputs(2, 2, 3, 1000, 7, torch.float16, seed=4), temperature)
+
+
+def test_ties_pick_the_lowest_index_like_the_reference():
+    """Small integers are exact in fp32 whatever the summation order, and tie often, across tiles too."""
+    g = torch.Generator().manual_seed(2)
+    batch, n_rows, d, vocab, rank = 4, 3, 5, 2500, 3
+    boundary = torch.randint(0, 3, (batch, n_rows, d, vocab), generator=g).float()
+    r = torch.randint(0, n_rows, (batch,), generator=g)
+    bonus = torch.randint(0, vocab, (batch,), generator=g)
+    w1 = torch.randint(-1, 2, (vocab, rank), generator=g).float()
+    w2 = torch.randint(-1, 2, (rank, vocab), generator=g).float()
+    assert torch.equal(markov_head_native(boundary, r, bonus, w1, w2)[0],
+                       markov_head_reference(boundary, r, bonus, w1, w2)[0])
+
+
+def test_sampled_draft_equals_triton():
+    """Same Philox stream and Gumbel transform as the Triton kernel (interpreted when there is no GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = _inputs(2, 3, 3, 64, 8, seed=5)
+    for temperature, seed, offset in [(1.0, 0, 0), (0.6, 12345, (1 << 33) + 17), (2.0, (1 << 40) + 9, 3)]:
+        draft, q = markov_head_native(*args, temperature, seed, offset)
+        want, q_triton = markov_head_triton(*(t.to(device) for t in args), temperature, seed, offset)
+        assert torch.equal(draft, want.cpu())
+        torch.testing.assert_close(q, q_triton.cpu(), atol=1e-6, rtol=1e-5)
+
+
+def test_philox_is_the_rng_module_bit_for_bit():
+    rng = np.random.default_rng(0)
+    counters = [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, *rng.integers(0, 1 << 32, 200).tolist()]
+    words = [0, 1, 5, (1 << 32) - 1, 1 << 32, (1 << 32) + 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1,
+             *rng.integers(0, 1 << 63, 4, dtype=np.int64).tolist()]
+    for seed, offset in zip(words, reversed(words)):
+        want = _rng.philox4x32(torch.tensor(counters), offset, seed).tolist()
+        assert [_core.philox4x32(c, offset, seed) for c in counters] == want, (seed, offset)
+
+
+def test_empty_batch():
+    boundary, r, bonus, w1, w2 = _inputs(0, 2, 3, 50, 4)
+    draft, q = markov_head_native(boundary, r, bonus, w1, w2, 1.0)
+    assert draft.shape == (0, 3) and q.shape == (0, 3, 50)
+
+
+def test_sampling_repeats_for_a_seed_and_offset_and_moves_with_them():
+    args = _inputs(2, 2, 6, 500, 8)
+    first = markov_head_native(*args, 1.0, 3, 9)[0]
+    assert torch.equal(first, markov_head_native(*args, 1.0, 3, 9)[0])
+    assert not torch.equal(first, markov_head_native(*args, 1.0, 3, 10)[0])
+    assert not torch.equal(first, markov_head_native(*args, 1.0, 4, 9)[0])
+
+
+def _with(args, **changes):
+    names = ("boundary", "r", "bonus", "w1", "w2")
+    out = dict(zip(names, args))
+    out.update(changes)
+    return [out[n] for n in names]
+
+
+@pytest.mark.parametrize("change,kwargs,match", [
+    (dict(boundary=torch.zeros(2, 3, 4, 50, dtype=torch.float64)), {}, "boundary must be float32/bfloat16/float16"),
+    (dict(boundary=torch.zeros(3, 2, 4, 50).transpose(0, 1)), {}, "not contiguous"),
+    (dict(boundary=torch.zeros(2, 3, 50)), {}, "boundary must have 4 dimensions"),
+    (dict(w1=torch.zeros(50, 6, dtype=torch.bfloat16)), {}, "w1 must be a contiguous float32 tensor"),
+    (dict(w2=torch.zeros(50, 6).T), {}, "w2 must be a contiguous float32 tensor"),
+    (dict(w2=torch.zeros(6, 49)), {}, r"expected \[V, R\] and \[R, V\] with V = 50"),
+    (dict(r=torch.tensor([0, 3])), {}, r"r\[1\] = 3, expected 0..2"),
+    (dict(bonus=torch.tensor([50, 0])), {}, r"bonus\[0\] = 50, expected 0..49"),
+    (dict(bonus=torch.tensor([1.0, 2.0])), {}, "bonus must hold integer indices"),
+    (dict(r=torch.zeros(3, dtype=torch.long)), {}, r"r has shape \(3,\), expected \[B\] = \(2,\)"),
+    (dict(r=[0, 1]), {}, "r must be a torch.Tensor, got list"),
+    ({}, dict(temperature=-1.0), "temperature = -1.0"),
+    ({}, dict(temperature=float("nan")), "temperature = nan"),
+    ({}, dict(seed=-1), "seed = -1"),
+    ({}, dict(offset=1 << 64), f"offset = {1 << 64}"),
+    ({}, dict(temperature=1e-300), "1/temperature"),
+])
+def test_bad_arguments_name_the_value(change, kwargs, match):
+    args = _with(_inputs(2, 3, 4, 50, 6), **change)
+    with pytest.raises(ValueError, match=match):
+        markov_head_native(*args, **kwargs)
+
+
+def test_draft_length_is_checked_by_the_core():
+    args = _inputs(1, 1, _core.MAX_DRAFT + 1, 4, 2)
+    with pytest.raises(ValueError, match=f"got {_core.MAX_DRAFT + 1}"):
+        markov_head_native(*args)
+
+
+def test_core_binding_checks_its_arrays():
+    boundary, r, bonus, w1, w2 = _inputs(2, 3, 4, 50, 6)
+    call = dict(boundary_ptr=boundary.data_ptr(), boundary_dtype="float32", batch=2, n_rows=3, d=4, vocab=50,
+                r=r.numpy(), bonus=bonus.numpy(), w1_ptr=w1.data_ptr(), w2_ptr=w2.data_ptr(), rank=6,
+                temperature=0.0, seed=0, offset=0, draft_out=np.zeros((2, 4), dtype=np.int64), q_ptr=0)
+    for key, value, match in [("draft_out", np.zeros((2, 3), dtype=np.int64), r"draft_out must be a writable .*\(2, 4\)"),
+                              ("draft_out", np.zeros((2, 4), dtype=np.int32), "draft_out must be a writable"),
+                              ("bonus", np.zeros(3, dtype=np.int64), r"bonus must have shape \(2,\)"),
+                              ("boundary_dtype", "float64", "unknown dtype 'float64'"),
+                              ("temperature", 1.0, "q_out is null")]:
+        with pytest.raises(ValueError, match=match):
+            _core.markov_head_host(**{**call, key: value})
+    _core.markov_head_host(**call)  # the unchanged call is valid
