@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include <mutex>
+#include <cstdint>
+#include <cstdio>
 #include <sstream>
 
 #include "dpara_rt/build_info.h"
@@ -25,6 +27,36 @@ using namespace dpara_rt;
 namespace {
 
 using I64Array = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+// Sizes arrive as Python objects so that a huge or mistyped value gets a ValueError naming it, not
+// pybind11's signature dump.
+std::int64_t int_arg(const py::handle& v, const char* name, std::int64_t lo, std::int64_t hi) {
+  PyObject* index = py::isinstance<py::bool_>(v) ? nullptr : PyNumber_Index(v.ptr());  // int, numpy ints
+  if (!index) {
+    PyErr_Clear();
+    throw py::value_error(std::string(name) + " = " + std::string(py::repr(v)) + "; expected an int");
+  }
+  const py::int_ big = py::reinterpret_steal<py::int_>(index);
+  if (big < py::int_(lo) || big > py::int_(hi))
+    throw py::value_error(std::string(name) + " = " + std::string(py::str(big)) + " is out of range; expected " +
+                          std::to_string(lo) + ".." + std::to_string(hi));
+  return big.cast<std::int64_t>();
+}
+
+int as_int(const py::handle& v, const char* name) { return int(int_arg(v, name, INT32_MIN, INT32_MAX)); }
+
+std::vector<std::int64_t> token_ids(const py::handle& ids, const char* name) {
+  std::vector<std::int64_t> out;
+  if (!py::isinstance<py::iterable>(ids) || py::isinstance<py::str>(ids))
+    throw py::value_error(std::string(name) + " must be a list of int token ids, got " +
+                          std::string(py::str(py::type::of(ids).attr("__name__"))));
+  for (auto item : ids) {
+    if (!py::isinstance<py::int_>(item) || py::isinstance<py::bool_>(item))
+      throw py::value_error(std::string(name) + " holds " + std::string(py::repr(item)) + "; expected int token ids");
+    out.push_back(item.cast<std::int64_t>());
+  }
+  return out;
+}
 
 std::string shape_str(const py::array& a) {
   std::ostringstream os;
@@ -136,6 +168,8 @@ std::shared_ptr<L> python_lane(L* raw) {
   return lane;
 }
 
+constexpr double kExitDrainSeconds = 10.0;
+
 void drain_lanes_at_exit() {
   std::vector<std::shared_ptr<Lane>> live;
   {
@@ -146,7 +180,17 @@ void drain_lanes_at_exit() {
   py::gil_scoped_release nogil;
   for (auto& l : live) {
     try {
-      l->synchronize();
+      auto* host = dynamic_cast<HostLane*>(l.get());
+      if (!host) {
+        l->synchronize();
+      } else if (!host->synchronize_for(kExitDrainSeconds)) {
+        // A task that never finishes (it waits for something that will not happen) must not hang the exit:
+        // say so, and keep the lane alive so that nothing joins its worker.
+        std::fprintf(stderr, "dpara_rt: host lane '%s' is still busy %.0f s into interpreter exit; leaving it\n",
+                     host->name().c_str(), kExitDrainSeconds);
+        static auto* abandoned = new std::vector<std::shared_ptr<Lane>>();  // leaked on purpose
+        abandoned->push_back(l);
+      }
     } catch (...) {  // an uncollected task error has nobody left to report to
     }
   }
@@ -269,8 +313,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("data_ptr", [](const TensorView& v) { return reinterpret_cast<std::uintptr_t>(v.data); });
 
   py::class_<BoundaryRing>(m, "BoundaryRing")
-      .def(py::init([](int capacity, int batch, int d, std::int64_t vocab, const std::string& dtype, int device) {
-             return new BoundaryRing(capacity, batch, d, vocab, parse_dtype(dtype), device);
+      .def(py::init([](const py::object& capacity, const py::object& batch, const py::object& d,
+                       const py::object& vocab, const std::string& dtype, const py::object& device) {
+             return new BoundaryRing(as_int(capacity, "capacity"), as_int(batch, "batch"), as_int(d, "d"),
+                                     int_arg(vocab, "vocab", INT64_MIN, INT64_MAX), parse_dtype(dtype),
+                                     as_int(device, "device"));
            }),
            py::arg("capacity"), py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("dtype") = "float32",
            py::arg("device") = -1)
@@ -311,8 +358,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("data_ptr", [](const BoundaryRing& r) { return reinterpret_cast<std::uintptr_t>(r.data()); });
 
   py::class_<Staging>(m, "Staging")
-      .def(py::init<int, int, std::size_t, int>(), py::arg("batch"), py::arg("d"), py::arg("feature_bytes"),
-           py::arg("device") = -1)
+      .def(py::init([](const py::object& batch, const py::object& d, const py::object& feature_bytes,
+                       const py::object& device) {
+             const auto bytes = int_arg(feature_bytes, "feature_bytes", 0, std::int64_t(Staging::kMaxFeatureBytes));
+             return new Staging(as_int(batch, "batch"), as_int(d, "d"), std::size_t(bytes), as_int(device, "device"));
+           }),
+           py::arg("batch"), py::arg("d"), py::arg("feature_bytes"), py::arg("device") = -1)
       .def("view", [](const Staging& s, const std::string& region, int phase) {
              return s.view(parse_staging_region(region), phase);
            }, py::arg("region"), py::arg("phase"))
@@ -370,7 +421,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
 
-  m.def("tree_metadata", [](int d) {
+  m.def("tree_metadata", [](const py::object& d_arg) {
+        const int d = as_int(d_arg, "d");
         const TreeMeta t = tree_meta(d);
         py::dict out;
         out["d"] = d;
@@ -382,8 +434,8 @@ PYBIND11_MODULE(_core, m) {
         out["key_branch"] = to_array(t.key_branch);
         return out;
       }, py::arg("d"), "Spine+branch tree metadata: spine rows 0..d, then branch r's d rows for r = 0..d.");
-  m.def("tree_mask", [](int d) {
-        const TreeMeta t = tree_meta(d);
+  m.def("tree_mask", [](const py::object& d) {
+        const TreeMeta t = tree_meta(as_int(d, "d"));
         const int rows = t.rows();
         py::array_t<bool> mask({rows, rows});
         auto w = mask.mutable_unchecked<2>();
@@ -395,8 +447,13 @@ PYBIND11_MODULE(_core, m) {
   // Getters are methods (batch(), finished(b), ...); per-round results can go into caller-owned int64
   // arrays (r, bonus, committed) so a round allocates nothing.
   py::class_<RoundState>(m, "RoundState")
-      .def(py::init<int, int, std::int64_t, std::vector<std::int64_t>, std::int64_t>(), py::arg("batch"), py::arg("d"),
-           py::arg("max_new_tokens"), py::arg("eos_ids"), py::arg("max_len"))
+      .def(py::init([](const py::object& batch, const py::object& d, const py::object& max_new_tokens,
+                       const py::object& eos_ids, const py::object& max_len) {
+             return new RoundState(as_int(batch, "batch"), as_int(d, "d"),
+                                   int_arg(max_new_tokens, "max_new_tokens", INT64_MIN, INT64_MAX),
+                                   token_ids(eos_ids, "eos_ids"), int_arg(max_len, "max_len", INT64_MIN, INT64_MAX));
+           }),
+           py::arg("batch"), py::arg("d"), py::arg("max_new_tokens"), py::arg("eos_ids"), py::arg("max_len"))
       .def("start", [](RoundState& s, const I64Array& prompt_lens, const I64Array& first_tokens,
                        const py::object& committed) {
              auto c = out_array(committed, s.batch(), "committed");
@@ -457,7 +514,7 @@ PYBIND11_MODULE(_core, m) {
       .def("eos_ids", &RoundState::eos_ids);
 
   py::class_<Metrics>(m, "Metrics")
-      .def(py::init<int>(), py::arg("d"))
+      .def(py::init([](const py::object& d) { return new Metrics(as_int(d, "d")); }), py::arg("d"))
       .def("add_event", &Metrics::add_event, py::arg("round"), py::arg("phase"), py::arg("lane"), py::arg("start_ns"),
            py::arg("end_ns"))
       .def("record_round", [](Metrics& mt, const I64Array& r, bool fallback) {

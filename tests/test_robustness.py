@@ -118,3 +118,81 @@ def test_a_stream_left_suspended_holds_no_process_state(pair):
     del it  # abandoned without close(): the next call still runs correctly
     assert eng.generate([PROMPTS[1]], 14).tokens[0] == generate_ar(Target(target, 1, 512), [PROMPTS[1]], 14,
                                                                    eos_ids=(2,))[0]
+
+
+def _run_python(code: str, timeout: float = 120):
+    """A probe in its own interpreter: a crash or a hang there fails the test instead of killing the run."""
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+CORE_PROBES = """
+import torch
+from dpara_rt import _core
+def refused(fn, needle):
+    try:
+        fn()
+    except ValueError as e:
+        assert needle in str(e), (needle, str(e))
+    else:
+        raise AssertionError("accepted: " + needle)
+refused(lambda: _core.Staging(1, 1, 2**63), "feature_bytes = 9223372036854775808 is out of range")
+refused(lambda: _core.Staging(1, 1, 2**41), "feature_bytes = 2199023255552 is out of range")
+refused(lambda: _core.Staging(1, 1, -1), "feature_bytes = -1 is out of range")
+refused(lambda: _core.Staging(1.5, 1, 0), "batch = 1.5; expected an int")
+refused(lambda: _core.Staging(2**31, 1, 0), "batch = 2147483648 is out of range")
+refused(lambda: _core.BoundaryRing(1, 1, 2**40, 8), "d = 1099511627776 is out of range")
+refused(lambda: _core.RoundState(1, 4, 8, "2", 64), "eos_ids must be a list")
+refused(lambda: _core.RoundState(1, 4, 8, [2.5], 64), "eos_ids holds 2.5")
+refused(lambda: _core.Metrics(2**33), "d = 8589934592 is out of range")
+st, lane = _core.Staging(1, 1, 16), _core.HostLane("probe")
+refused(lambda: st.copy_in(lane, "features", 0, 16, 0), "null source pointer")
+refused(lambda: st.copy_out(lane, "features", 0, 16, 0), "null destination pointer")
+refused(lambda: st.copy_in(lane, "features", torch.zeros(8).data_ptr(), 4096, 0), "does not fit")
+src = torch.arange(4, dtype=torch.int32)
+st.copy_in(lane, "features", src.data_ptr(), 16, 1)
+lane.synchronize()
+assert torch.from_dlpack(st.view("features", 1)).view(torch.int32).tolist() == [0, 1, 2, 3]
+print("ok")
+"""
+
+
+def test_core_sizes_and_pointers_are_checked_before_any_memory_is_touched():
+    proc = _run_python(CORE_PROBES)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_two_lanes_synchronizing_each_other_get_an_error_not_a_hang():
+    code = """
+import threading, time
+from dpara_rt import _core
+a, b = _core.HostLane("a"), _core.HostLane("b")
+a_waiting = threading.Event()
+def on_b():
+    a_waiting.wait(); time.sleep(0.05)
+    a.synchronize()        # a's task is waiting for b: refused
+def on_a():
+    b.submit(on_b); a_waiting.set()
+    b.synchronize()        # re-raises b's refusal here
+a.submit(on_a)
+try:
+    a.synchronize()
+except RuntimeError as e:
+    print("refused:", "would deadlock" in str(e))
+"""
+    proc = _run_python(code, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "refused: True", (proc.stdout, proc.stderr)
+
+
+def test_a_task_that_never_ends_does_not_hang_interpreter_exit():
+    code = """
+import threading
+from dpara_rt import _core
+lane = _core.HostLane("stuck")
+lane.submit(lambda: threading.Event().wait())   # waits for something that never happens
+print("leaving")
+"""
+    proc = _run_python(code, timeout=90)
+    assert proc.returncode == 0 and proc.stdout.strip() == "leaving", proc.stderr
+    assert "host lane 'stuck' is still busy" in proc.stderr

@@ -1,3 +1,4 @@
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -5,6 +6,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
 
 #include "dpara_rt/lane.h"
 
@@ -15,6 +17,23 @@ void wait_on(const Event& e, Lane* lane) {
   if (lane) lane->wait(e);
   else e.synchronize();
 }
+
+namespace {
+// The host lane whose worker the calling thread is (null on other threads), and, for each worker blocked in
+// another lane's synchronize(), the lane it waits for: a wait that would close a cycle is refused, not hung.
+thread_local const void* t_worker_of = nullptr;
+std::mutex g_waits_mu;
+std::unordered_map<const void*, const void*> g_waits;
+
+struct WaitEdge {
+  const void* from;
+  ~WaitEdge() {
+    if (!from) return;
+    std::lock_guard<std::mutex> lk(g_waits_mu);
+    g_waits.erase(from);
+  }
+};
+}  // namespace
 
 struct HostLane::State {
   mutable std::mutex mu;
@@ -43,6 +62,7 @@ HostLane::~HostLane() {
 }
 
 void HostLane::run(State& s) {
+  t_worker_of = &s;
   for (;;) {
     Task task;
     {
@@ -139,11 +159,29 @@ void HostLane::wait(const Event& e) {
 void HostLane::synchronize() {
   if (on_worker())
     throw std::runtime_error("synchronize() on host lane '" + name() + "' from one of its own tasks would wait for itself");
+  WaitEdge edge{t_worker_of};
+  if (edge.from) {  // a task of another host lane waits for this one: refuse a cycle of such waits
+    std::lock_guard<std::mutex> lk(g_waits_mu);
+    for (auto it = g_waits.find(s_.get()); it != g_waits.end(); it = g_waits.find(it->second))
+      if (it->second == edge.from) {
+        edge.from = nullptr;
+        throw std::runtime_error("synchronize() on host lane '" + name() + "' from a task of a lane that '" + name() +
+                                 "' is itself waiting for would deadlock (the lanes would wait for each other)");
+      }
+    g_waits[edge.from] = s_.get();
+  }
   {
     std::unique_lock<std::mutex> lk(s_->mu);
     s_->idle_cv.wait(lk, [&] { return !s_->busy && s_->queue.empty(); });
   }
   rethrow_captured();
+}
+
+bool HostLane::synchronize_for(double seconds) {
+  if (on_worker()) return false;
+  std::unique_lock<std::mutex> lk(s_->mu);
+  return s_->idle_cv.wait_for(lk, std::chrono::duration<double>(seconds),
+                              [&] { return !s_->busy && s_->queue.empty(); });
 }
 
 void HostLane::copy_async(void* dst, const void* src, std::size_t bytes) {

@@ -26,6 +26,9 @@ Staging::Staging(int batch, int d, std::size_t feature_bytes, int device)
   if (batch < 1) detail::value_error("staging batch must be >= 1, got ", batch);
   detail::check_draft_length(d, "staging");
   if (device < -1) detail::value_error("staging device must be -1 (host) or a CUDA device index, got ", device);
+  // Bounded before any arithmetic: sizes near 2^64 would wrap in the alignment and allocate a tiny buffer.
+  if (feature_bytes > kMaxFeatureBytes)
+    detail::value_error("staging feature_bytes = ", feature_bytes, " exceeds the limit of ", kMaxFeatureBytes, " bytes");
   // Each region starts on a 64-byte boundary so a DMA engine or a vector load never straddles regions.
   const std::size_t a = Buffer::kAlignment;
   offset_[0] = 0;
@@ -80,11 +83,13 @@ void Staging::check_fits(StagingRegion region, std::size_t n) const {
 
 void Staging::copy_in(Lane& lane, StagingRegion region, const void* src, std::size_t n, int phase) {
   check_fits(region, n);
+  if (n > 0 && src == nullptr) detail::value_error("staging copy_in of ", n, " bytes from a null source pointer");
   lane.copy_async(data(region, phase), src, n);
 }
 
 void Staging::copy_out(Lane& lane, StagingRegion region, void* dst, std::size_t n, int phase) {
   check_fits(region, n);
+  if (n > 0 && dst == nullptr) detail::value_error("staging copy_out of ", n, " bytes to a null destination pointer");
   lane.copy_async(dst, data(region, phase), n);
 }
 

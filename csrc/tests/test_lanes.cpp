@@ -255,8 +255,42 @@ static void test_dlpack_export() {
   CHECK(parse_dtype("bfloat16") == DType::bfloat16 && dtype_size(DType::bfloat16) == 2);
 }
 
+// Two lanes whose tasks synchronize each other: the second wait is refused instead of hanging both.
+static void test_synchronize_cycle_is_refused() {
+  HostLane a("a"), b("b");
+  std::atomic<bool> a_waiting{false};
+  std::atomic<int> refused{0};
+  a.submit([&] {
+    b.submit([&] {
+      while (!a_waiting) std::this_thread::sleep_for(1ms);
+      std::this_thread::sleep_for(20ms);  // a's task is now blocked in b.synchronize()
+      try {
+        a.synchronize();
+      } catch (const std::runtime_error& e) {
+        if (std::strstr(e.what(), "would deadlock")) ++refused;
+      }
+    });
+    a_waiting = true;
+    b.synchronize();
+  });
+  a.synchronize();
+  b.synchronize();
+  CHECK(refused == 1);
+  // Waits in one direction stay allowed.
+  std::atomic<int> done{0};
+  a.submit([&] {
+    b.submit([&] { ++done; });
+    b.synchronize();
+    ++done;
+  });
+  a.synchronize();
+  CHECK(done == 2);
+  CHECK(b.synchronize_for(1.0));
+}
+
 int main() {
   test_fifo_order();
+  test_synchronize_cycle_is_refused();
   test_record_completes_after_prior_work();
   test_cross_lane_wait();
   test_exception_capture();

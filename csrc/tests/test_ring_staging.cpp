@@ -117,6 +117,13 @@ static void test_staging() {
                  ("staging phase must be 0 or 1, got " + std::to_string(bad)).c_str());
   CHECK_THROWS(parse_staging_region("logits"), std::invalid_argument, "'logits'");
   CHECK_THROWS(Staging(0, 1, 0), std::invalid_argument, "batch must be >= 1, got 0");
+  // Sizes near 2^64 once wrapped in the alignment and allocated a few bytes behind a huge bounds check.
+  CHECK_THROWS(Staging(1, 1, std::size_t(1) << 63), std::invalid_argument, "exceeds the limit");
+  CHECK_THROWS(Staging(1, 1, ~std::size_t(0)), std::invalid_argument, "exceeds the limit");
+  CHECK_THROWS(st.copy_in(lane, StagingRegion::rb, nullptr, 8, 0), std::invalid_argument, "null source pointer");
+  CHECK_THROWS(st.copy_out(lane, StagingRegion::rb, nullptr, 8, 0), std::invalid_argument, "null destination");
+  st.copy_in(lane, StagingRegion::rb, nullptr, 0, 0);  // nothing to copy: no pointer needed
+  lane.synchronize();
 }
 
 // Device memory for the ring, pinned memory for staging: a clear error naming device 0 without a GPU; with

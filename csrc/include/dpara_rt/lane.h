@@ -62,7 +62,11 @@ class HostLane final : public Lane {
   void submit(Task fn) override;
   Event record() override;
   void wait(const Event& e) override;
+  // Refused (std::runtime_error) from a task of a host lane that this lane is waiting for, directly or
+  // through other lanes: the two would wait for each other forever.
   void synchronize() override;
+  // Wait at most `seconds` for the lane to go idle; false on time-out (captured errors stay captured).
+  bool synchronize_for(double seconds);
   void copy_async(void* dst, const void* src, std::size_t bytes) override;
   int device() const override { return -1; }
 

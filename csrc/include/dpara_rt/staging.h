@@ -24,8 +24,9 @@ const char* staging_region_name(StagingRegion r);
 class Staging {
  public:
   static constexpr int kPhases = 2;
+  static constexpr std::size_t kMaxFeatureBytes = std::size_t(1) << 40;  // far above any round's features
   // device >= 0: page-locked memory through cudaHostAlloc for transfers with that CUDA device;
-  // device -1: plain aligned host memory (CPU backend).
+  // device -1: plain aligned host memory (CPU backend). feature_bytes <= kMaxFeatureBytes.
   Staging(int batch, int d, std::size_t feature_bytes, int device = -1);
 
   // phase: 0 or 1 (anything else -> std::invalid_argument naming it).
@@ -35,6 +36,7 @@ class Staging {
 
   // Copy `bytes` bytes from `src` into the region (copy_in) or from the region to `dst` (copy_out) in
   // `lane`'s order; src/dst may be device memory on a CudaLane. bytes must fit in the region.
+  // A null pointer with bytes > 0 is refused (std::invalid_argument).
   void copy_in(Lane& lane, StagingRegion region, const void* src, std::size_t bytes, int phase);
   void copy_out(Lane& lane, StagingRegion region, void* dst, std::size_t bytes, int phase);
 
