@@ -243,9 +243,10 @@ def test_every_variant_name_maps_back_to_itself():
         variant("beam")
 
 
-def test_a_new_call_cancels_a_suspended_stream(pair):
+@pytest.mark.parametrize("name", ["ar", "dspark", "psd-pearl", "dpara", "dpara-hidden"])
+def test_a_new_call_cancels_a_suspended_stream(pair, name):
     target, drafter = pair
-    eng = Engine(target, drafter, method="dpara", d=4)
+    eng = Engine(target, drafter, d=4, **variant(name))
     prompts = prompts_for(3, seed=17)
     old = eng.stream(prompts, 32)
     next(old), next(old)
