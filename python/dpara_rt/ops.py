@@ -173,12 +173,13 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
     if temperature > 0 and batch * d * vocab > _COUNTER_LIMIT:
         raise ValueError(f"B*d*V = {batch * d * vocab} exceeds the 2**32 random counters of one call; "
                          "split the batch")
-    if batch:
-        _in_range(("r", r, 0, n_slots), ("bonus", bonus, 0, vocab))
     chosen = backend(boundary.device)
+    native = chosen == "host" and boundary.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32
+    if batch and not native:  # the native head checks every index itself, naming the value
+        _in_range(("r", r, 0, n_slots), ("bonus", bonus, 0, vocab))
     if chosen == "triton":
         return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
-    if chosen == "host" and boundary.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
+    if native:
         return markov_head_native(boundary.contiguous(), r.cpu(), bonus.cpu(), w1.contiguous(), w2.contiguous(),
                                   float(temperature), int(seed), int(offset))
     return markov_head_reference(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))

@@ -171,7 +171,11 @@ class Decoder:
             self.ring = _core.BoundaryRing(ring_capacity, B, self.d, row,
                                            str(drafter.dtype).removeprefix("torch."), self.drafter_lane.device_index)
             # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
-            self._markov_weights = tuple(w.detach().float().to(dev) for w in drafter.markov_parameters)
+            self._markov_weights = tuple(w.detach().float().to(dev).contiguous() for w in drafter.markov_parameters)
+        # Torch views of the core's memory, made once: a DLPack round trip per use costs more than the head.
+        self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
+                        for region in ("rb", "draft", "features") for phase in (0, 1)} if needs_drafter else {}
+        self._slots = [slot_tensor(self.ring, i) for i in range(ring_capacity)] if needs_drafter else []
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
 
@@ -203,7 +207,7 @@ class Decoder:
         tensor = tensor.contiguous()
         lane.wait(self._released[region][phase])
         stage_in(self.staging, lane.core, region, tensor, phase)
-        raw = staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)[:tensor.nbytes]
+        raw = self._staged[region, phase][:tensor.nbytes]
         return raw.view(tensor.dtype).view(tensor.shape)
 
     def _release(self, lane: Lane, region: str, phase: int) -> None:
@@ -246,19 +250,19 @@ class Decoder:
 
     def fill_boundary(self, draft: Draft, slot: int) -> None:
         """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`."""
-        boundary = slot_tensor(self.ring, slot)
+        boundary = self._slots[slot]
         self.drafter.boundary_logits(self.cache, draft.spine(boundary.device), out=boundary, project=self.ring_logits)
         self.ring.mark_ready(slot, self.drafter_lane.record())
 
     def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
         """Drafter lane: the Markov head on branch r of ring slot `slot`, from the staged (r, bonus)."""
         out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
-        rb = staging_tensor(self.staging, "rb", out.phase).long()
+        rb = self._staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
         self._release(self.drafter_lane, "rb", out.phase)
         r, bonus = rb[:, 0], rb[:, 1]
         self.ring.select(slot, r.numpy(), lane=self.drafter_lane.core)  # after the backbone's ready event
         try:
-            boundary = slot_tensor(self.ring, slot)
+            boundary = self._slots[slot]
             if self.ring_logits:
                 return self.markov(boundary, r, bonus)
             rows = boundary[torch.arange(len(r)), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
