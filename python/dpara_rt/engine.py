@@ -47,12 +47,13 @@ class Engine:
                  ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
-        if not 1 <= max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch = {max_batch}; expected 1..{MAX_BATCH}")
-        if max_len is not None and max_len < 2:
-            raise ValueError(f"max_len = {max_len}; expected >= 2 or None (sized per call)")
-        if threads_per_lane < 1:
-            raise ValueError(f"threads_per_lane = {threads_per_lane}; expected >= 1")
+        is_int = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)
+        if not is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch = {max_batch!r}; expected an int in 1..{MAX_BATCH}")
+        if max_len is not None and (not is_int(max_len) or max_len < 2):
+            raise ValueError(f"max_len = {max_len!r}; expected an int >= 2, or None (sized per call)")
+        if not is_int(threads_per_lane) or threads_per_lane < 1:
+            raise ValueError(f"threads_per_lane = {threads_per_lane!r}; expected an int >= 1")
         self.method, self.placement = method, placement
         eos_ids = target.config.eos_token_id if eos_ids is None else eos_ids
         if not isinstance(eos_ids, (list, tuple, set, frozenset)):
