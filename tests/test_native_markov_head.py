@@ -61,6 +61,15 @@ def test_matches_reference_full_vocab(temperature):
     _check_matches_reference(_inputs(2, 8, 7, 8192, 128, seed=3), temperature)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("batch", [5, 33, 38])
+def test_batched_rows_match_reference(batch, temperature):
+    """Rows are stepped together in blocks of up to 32, in groups of 4 sharing each W2 load: a batch of 5 (a
+    group and a single row), 33 (a block, then a block of one) and 38 (a block, then a block of 6), with
+    a vocabulary tile narrower than V and a rank that leaves a tail of single W2 rows."""
+    _check_matches_reference(_inputs(batch, 2, 3, 1003, 7, seed=batch), temperature)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_float16_boundary_matches_reference(temperature):
     _check_matches_reference(_inputs(2, 2, 3, 1000, 7, torch.float16, seed=4), temperature)

@@ -23,7 +23,10 @@ namespace dpara_rt {
 namespace {
 
 constexpr const char* kWhat = "markov_head_host: ";
-constexpr std::int64_t kTile = 1024;  // vocabulary tile: its fp32 accumulator (4 KiB) stays in L1
+// Vocabulary tiles: the accumulators of all rows stepped together (rows x tile floats) stay in L1.
+constexpr std::int64_t kTile = 1024;         // the widest tile (4 KiB per row)
+constexpr std::int64_t kAccFloats = 4096;    // accumulator floats per step (16 KiB): 1024 wide up to 4 rows
+constexpr std::int64_t kBlockRows = 32;      // rows stepped together (narrowest tile: 128)
 constexpr std::int64_t kCounters = std::int64_t(1) << 32;  // Philox counters are 32-bit
 
 // ----------------------------------------------------------------------------- vectorisable math
@@ -202,9 +205,117 @@ DPARA_RT_INLINE void finish_tile(float* z, const float* noise, const float* acc,
   }
 }
 
-// One step of one request: z (the boundary row, as float32) becomes (z + a @ W2) * scale in place; returns
-// arg-max of z (+ noise). Tiled over the vocabulary so the bias accumulator stays in L1 while W2 streams
-// through once; four W2 rows per pass cut the accumulator's loads and stores fourfold.
+// One request's state during a step: its row z (the boundary row as float32, becoming the logits), its
+// Gumbel noise (null when greedy), its coefficients a = W1[x_prev, :] and its running arg-max.
+struct RowState {
+  float* z;
+  const float* noise;
+  const float* a;
+  ArgMax best;
+};
+
+// acc_g[i] += a_g[k] w2[k, i] + a_g[k+1] w2[k+1, i] + a_g[k+2] w2[k+2, i] + a_g[k+3] w2[k+3, i] for the G
+// rows of a group (acc_g = acc + g * stride; p0..p3 are W2 rows k..k+3 at the tile's start). The four W2
+// values are loaded once and used for every row. Each element's expression is the one-row loop's, so
+// every clone rounds (and contracts into FMAs) exactly as before.
+template <int G>
+DPARA_RT_INLINE void accumulate4(float* acc, std::int64_t stride, const RowState* rows, std::int64_t k,
+                                 const float* p0, const float* p1, const float* p2, const float* p3, std::int64_t n) {
+  float c[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 4; ++t) c[g][t] = rows[g].a[k + t];
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const F8 w0 = load8(p0 + i), w1 = load8(p1 + i), w2 = load8(p2 + i), w3 = load8(p3 + i);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      float* ac = acc + g * stride + i;
+      store8(ac, load8(ac) + (c[g][0] * w0 + c[g][1] * w1 + c[g][2] * w2 + c[g][3] * w3));
+    }
+  }
+  for (; i < n; ++i)
+    for (int g = 0; g < G; ++g) {
+      float& ac = acc[g * stride + i];
+      ac += c[g][0] * p0[i] + c[g][1] * p1[i] + c[g][2] * p2[i] + c[g][3] * p3[i];
+    }
+}
+
+// The same for one W2 row k (the rank % 4 tail).
+template <int G>
+DPARA_RT_INLINE void accumulate1(float* acc, std::int64_t stride, const RowState* rows, std::int64_t k,
+                                 const float* p0, std::int64_t n) {
+  float c[G];
+  for (int g = 0; g < G; ++g) c[g] = rows[g].a[k];
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const F8 w0 = load8(p0 + i);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      float* ac = acc + g * stride + i;
+      store8(ac, load8(ac) + c[g] * w0);
+    }
+  }
+  for (; i < n; ++i)
+    for (int g = 0; g < G; ++g) acc[g * stride + i] += c[g] * p0[i];
+}
+
+constexpr int kGroup = 4;  // rows that share each load of W2 values in the innermost loop
+
+// accumulate4 / accumulate1 over rows [0, count) of a tile, kGroup at a time (the last group smaller).
+DPARA_RT_INLINE void accumulate4_rows(float* acc, std::int64_t tile, const RowState* rows, int count, std::int64_t k,
+                                      const float* p0, const float* p1, const float* p2, const float* p3,
+                                      std::int64_t n) {
+  int g = 0;
+  for (; g + kGroup <= count; g += kGroup) accumulate4<kGroup>(acc + g * tile, tile, rows + g, k, p0, p1, p2, p3, n);
+  switch (count - g) {
+    case 3: accumulate4<3>(acc + g * tile, tile, rows + g, k, p0, p1, p2, p3, n); break;
+    case 2: accumulate4<2>(acc + g * tile, tile, rows + g, k, p0, p1, p2, p3, n); break;
+    case 1: accumulate4<1>(acc + g * tile, tile, rows + g, k, p0, p1, p2, p3, n); break;
+    default: break;
+  }
+}
+DPARA_RT_INLINE void accumulate1_rows(float* acc, std::int64_t tile, const RowState* rows, int count, std::int64_t k,
+                                      const float* p0, std::int64_t n) {
+  int g = 0;
+  for (; g + kGroup <= count; g += kGroup) accumulate1<kGroup>(acc + g * tile, tile, rows + g, k, p0, n);
+  switch (count - g) {
+    case 3: accumulate1<3>(acc + g * tile, tile, rows + g, k, p0, n); break;
+    case 2: accumulate1<2>(acc + g * tile, tile, rows + g, k, p0, n); break;
+    case 1: accumulate1<1>(acc + g * tile, tile, rows + g, k, p0, n); break;
+    default: break;
+  }
+}
+
+// One step of `count` requests together: each row's z becomes (z + a @ W2) * scale in place, and each row's
+// arg-max of z (+ noise) is left in its RowState. Tiled over the vocabulary so that all rows' bias
+// accumulators (count x tile floats, acc) stay in L1 while W2 streams through once per step for all of
+// them; four W2 rows per pass cut the accumulators' loads and stores fourfold. Per element the bias is
+// summed over k in order from 0, then added to z: the reference's rounding order, whatever the batch.
+DPARA_RT_HOT void step_rows(RowState* rows, int count, std::int64_t tile, const float* w2, std::int64_t rank,
+                            std::int64_t vocab, float scale) {
+  alignas(64) float acc[kAccFloats];  // a local array: the compiler knows that no other pointer reaches it
+  for (int b = 0; b < count; ++b) rows[b].best = ArgMax();
+  for (std::int64_t v0 = 0; v0 < vocab; v0 += tile) {
+    const std::int64_t n = std::min(tile, vocab - v0);
+    std::fill_n(acc, std::size_t(count) * std::size_t(tile), 0.0f);
+    std::int64_t k = 0;
+    for (; k + 4 <= rank; k += 4) {
+      const float* p0 = w2 + k * vocab + v0;
+      const float *p1 = p0 + vocab, *p2 = p1 + vocab, *p3 = p2 + vocab;
+      accumulate4_rows(acc, tile, rows, count, k, p0, p1, p2, p3, n);
+    }
+    for (; k < rank; ++k) accumulate1_rows(acc, tile, rows, count, k, w2 + k * vocab + v0, n);
+    for (int b = 0; b < count; ++b) {
+      RowState& row = rows[b];
+      if (row.noise) finish_tile<true>(row.z, row.noise, acc + b * tile, v0, n, scale, row.best);
+      else finish_tile<false>(row.z, row.noise, acc + b * tile, v0, n, scale, row.best);
+    }
+  }
+}
+
+// step_rows for a single request, in plain loops that GCC vectorises and unroll-and-jams (eight W2 rows per
+// accumulator load and store), which is faster at count = 1 than the grouped form: z (the boundary row, as
+// float32) becomes (z + a @ W2) * scale in place; returns arg-max of z (+ noise). Same rounding per element.
 DPARA_RT_HOT std::int64_t step(float* z, const float* noise, const float* a, const float* w2, std::int64_t rank,
                                std::int64_t vocab, float scale) {
   alignas(64) float acc[kTile];
@@ -332,20 +443,45 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
   const float scale = sample ? float(1.0 / temperature) : 1.0f;
   const PhiloxKey key(offset, seed);
   const std::size_t esize = dtype_size(boundary_dtype);
-  // Greedy: the row's logits. Sampling: its Gumbel noise (the logits live in q_out until the softmax).
-  std::vector<float> scratch(static_cast<std::size_t>(vocab));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const char* rows = static_cast<const char*>(boundary) + std::size_t((b * n_rows + r[b]) * row_stride) * esize;
-    std::int64_t x = bonus[b];
+  // Requests go in blocks of up to kBlockRows, stepped together so that each step reads W2 once per block.
+  const std::int64_t block = std::min(batch, kBlockRows);
+  const std::int64_t tile = std::min(kTile, kAccFloats / block / 8 * 8);
+  // Per row of a block: greedy, its logits; sampling, its Gumbel noise (the logits live in q_out until the
+  // softmax).
+  std::vector<float> scratch(static_cast<std::size_t>(block * vocab));
+  RowState rows[kBlockRows];
+  std::int64_t x[kBlockRows];
+  const char* src[kBlockRows];
+  for (std::int64_t b0 = 0; b0 < batch; b0 += block) {
+    const int count = int(std::min(block, batch - b0));
+    for (int i = 0; i < count; ++i) {
+      const std::int64_t b = b0 + i;
+      src[i] = static_cast<const char*>(boundary) + std::size_t((b * n_rows + r[b]) * row_stride) * esize;
+      x[i] = bonus[b];
+    }
     for (int j = 0; j < d; ++j) {
-      const std::int64_t out = b * d + j;
-      float* z = sample ? q_out + out * vocab : scratch.data();
-      load_row(z, rows + std::size_t(j * vocab) * esize, boundary_dtype, vocab);
-      if (sample) gumbel_row(scratch.data(), std::uint32_t(out * vocab), vocab, key);
-      x = step(z, sample ? scratch.data() : nullptr, w1 + x * rank, w2, rank, vocab, scale);
-      check_index("drafted token x", out, x, vocab, "vocab");  // by construction; guards the next W1 read
-      if (sample) softmax_row(z, vocab);
-      draft_out[out] = x;
+      for (int i = 0; i < count; ++i) {
+        const std::int64_t out = (b0 + i) * d + j;
+        float* own = scratch.data() + i * vocab;
+        float* z = sample ? q_out + out * vocab : own;
+        load_row(z, src[i] + std::size_t(j * vocab) * esize, boundary_dtype, vocab);
+        if (sample) gumbel_row(own, std::uint32_t(out * vocab), vocab, key);
+        rows[i].z = z;
+        rows[i].noise = sample ? own : nullptr;
+        rows[i].a = w1 + x[i] * rank;
+      }
+      if (count == 1) {
+        x[0] = step(rows[0].z, rows[0].noise, rows[0].a, w2, rank, vocab, scale);
+      } else {
+        step_rows(rows, count, tile, w2, rank, vocab, scale);
+        for (int i = 0; i < count; ++i) x[i] = rows[i].best.index();
+      }
+      for (int i = 0; i < count; ++i) {
+        const std::int64_t out = (b0 + i) * d + j;
+        check_index("drafted token x", out, x[i], vocab, "vocab");  // by construction; guards the next W1 read
+        if (sample) softmax_row(rows[i].z, vocab);
+        draft_out[out] = x[i];
+      }
     }
   }
 }
