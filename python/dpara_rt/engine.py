@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ import torch
 
 from dpara_rt.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
-from dpara_rt.methods.rounds import DecodeOptions, Decoder
+from dpara_rt.methods.rounds import DecodeOptions, Decoder, is_int
 from dpara_rt.models.drafter import check_target_compatible
 from dpara_rt.models.target import Target
 from dpara_rt.stats import Stats, summarize
@@ -47,7 +46,6 @@ class Engine:
                  ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
-        is_int = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)
         if not is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch = {max_batch!r}; expected an int in 1..{MAX_BATCH}")
         if max_len is not None and (not is_int(max_len) or max_len < 2):
@@ -109,7 +107,7 @@ class Engine:
         out = []
         for i, p in enumerate(prompts):
             p = list(p)  # read once: a prompt may be an iterator
-            bad = [t for t in p if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            bad = [t for t in p if not is_int(t)]
             if bad:
                 raise ValueError(f"prompt {i} holds {bad[0]!r} ({type(bad[0]).__name__}); expected int token ids")
             out.append([int(t) for t in p])
@@ -136,8 +134,8 @@ class Engine:
 
         An engine runs one decode at a time. A new call cancels a stream that is suspended (its chain stops
         before the new call touches the caches; resuming it raises), and raises while another thread's call is
-        running on this engine. Process-wide settings (switch interval, intra-op threads, inference mode) hold
-        only while the decode runs, never while the stream is suspended in the caller's code."""
+        running on this engine. Process-wide settings (switch interval, intra-op threads) hold only while the
+        decode runs, never while the stream is suspended in the caller's code."""
         return self._stream(prompts, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed), trace,
                             hold=False)
 
@@ -159,12 +157,10 @@ class Engine:
         self.target.check_prompts(prompts)
         if self.method == AUTO:
             choice = self.auto_choice(prompts, opts, ticket)
-            kw = variant(choice)
-            method = kw.pop("method")
-            opts = dataclasses.replace(opts, **kw)
+            method, opts = _with_variant(choice, opts)
         else:
             method = self.method
-        yield from self._decode(ticket, method, prompts, opts, trace)
+        yield from self._decode(ticket, method, opts, prompts, trace)
         if self.method == AUTO:
             self.last_stats.method = f"{self.name}({choice})"
 
@@ -188,15 +184,13 @@ class Engine:
             short = dataclasses.replace(opts, max_new_tokens=min(4 * (opts.d + 1), opts.max_new_tokens))
             cost = {}
             for name in AUTO_CANDIDATES:
-                kw = variant(name)
-                method = kw.pop("method")
-                for _ in self._decode(ticket, method, prompts, dataclasses.replace(short, **kw), False):
+                for _ in self._decode(ticket, *_with_variant(name, short), prompts, False):
                     pass
                 cost[name] = self.last_stats.wall_s / max(self.last_stats.new_tokens, 1)
             self.auto_choices[B] = min(cost, key=cost.get)
         return self.auto_choices[B]
 
-    def _decode(self, ticket: "_Ticket", method: str, prompts: list[list[int]], opts: DecodeOptions, trace: bool):
+    def _decode(self, ticket: "_Ticket", method: str, opts: DecodeOptions, prompts: list[list[int]], trace: bool):
         spec = METHODS[method]
         dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter)
         new_tokens = 0
@@ -215,6 +209,14 @@ class Engine:
             for out, t in zip(tokens, new):
                 out.extend(t)
         return Output(tokens, self.last_stats)
+
+
+def _with_variant(name: str, opts: DecodeOptions) -> tuple[str, DecodeOptions]:
+    """The method of a variant name and `opts` with the variant's options (a PSD policy, a ring's contents)."""
+    kw = variant(name)
+    method = kw.pop("method")
+    kw.pop("placement", None)  # the engine's lanes are placed already
+    return method, dataclasses.replace(opts, **kw)
 
 
 class _Ticket:

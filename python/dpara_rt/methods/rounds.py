@@ -13,7 +13,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -32,6 +32,11 @@ RING_CONTENTS = ("logits", "hidden")  # what DPara's ring holds per branch row: 
 _SEED_LIMIT = 1 << 63
 
 
+def is_int(value) -> bool:
+    """An integer argument: any Integral but bool (True would pass as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """What one decode call runs with (the engine's defaults overridden per call)."""
@@ -46,23 +51,21 @@ class DecodeOptions:
     dpara_ring: str = "logits"
 
     def __post_init__(self):
-        if not isinstance(self.d, numbers.Integral) or isinstance(self.d, bool) or not 1 <= self.d <= ops.MAX_DRAFT:
+        if not is_int(self.d) or not 1 <= self.d <= ops.MAX_DRAFT:
             raise ValueError(f"d = {self.d!r}; expected an int in 1..{ops.MAX_DRAFT}")
         if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature):
             raise ValueError(f"temperature = {self.temperature!r}; expected a finite number >= 0 (0 means greedy)")
         check_sampling(self.temperature, self.top_p)
-        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) or not 0 <= self.seed < _SEED_LIMIT:
+        if not is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT:
             raise ValueError(f"seed = {self.seed!r}; expected an int in [0, 2**63)")
-        if not isinstance(self.max_new_tokens, numbers.Integral) or isinstance(self.max_new_tokens, bool) \
-                or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
         if self.psd_policy not in PSD_POLICIES:
             raise ValueError(f"psd_policy {self.psd_policy!r}; expected one of {PSD_POLICIES}")
-        if not isinstance(self.ssd_fanout, numbers.Integral) or isinstance(self.ssd_fanout, bool) \
-                or not 1 <= self.ssd_fanout <= MAX_SSD_FANOUT:
+        if not is_int(self.ssd_fanout) or not 1 <= self.ssd_fanout <= MAX_SSD_FANOUT:
             raise ValueError(f"ssd_fanout = {self.ssd_fanout!r}; expected an int in 1..{MAX_SSD_FANOUT} (each guess "
                              "costs a backbone forward per round)")
-        bad_eos = [e for e in self.eos_ids if not isinstance(e, numbers.Integral) or isinstance(e, bool) or e < 0]
+        bad_eos = [e for e in self.eos_ids if not is_int(e) or e < 0]
         if bad_eos:
             raise ValueError(f"eos_ids holds {bad_eos[0]!r}; expected non-negative int token ids")
         if self.dpara_ring not in RING_CONTENTS:
@@ -93,7 +96,7 @@ class Verified:
     """The target's forward over a block: greedy rounds carry its argmax (the round state accepts); sampled
     rounds and AR carry (r, bonus) as lossless verification drew them."""
     block: Tensor                # [B, 1+d] long, host
-    features: Tensor             # [B, 1+d, F] in staging phase `phase` (empty for a method without drafter)
+    features: Tensor             # [B, 1+d, F], staged for the drafter (the target's own tensor without one)
     argmax: Tensor | None = None
     r: Tensor | None = None
     bonus: Tensor | None = None
@@ -301,11 +304,12 @@ class Decoder:
         u_bonus = torch.rand(B, generator=self.generator).to(p.device)
         q = draft.q.to(p.device)
         finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
-        if not bool(finite.all()):
+        damaged = not bool(finite.all())
+        if damaged:
             _warn_non_finite_draft(self)
             q = torch.where(finite[..., None], q, 0.0)
         r, bonus = ops.verify_sample(p, q, block[:, 1:].to(p.device), u_accept, u_bonus)
-        if not bool(finite.all()):
+        if damaged:
             r, bonus = _stop_at_non_finite(p, r, bonus, finite, u_bonus)
         return Verified(block, feats, r=r.cpu(), bonus=bonus.cpu())
 
@@ -348,7 +352,7 @@ class Decoder:
             self.chain.finish()
         return out
 
-    def run(self, method) -> Sequence[list[list[int]]]:
+    def run(self, method) -> Iterator[list[list[int]]]:
         """Start the method's chain from the prefill's outcome; yields each round's commits."""
         first = self.start()
         yield first.tokens
