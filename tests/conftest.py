@@ -6,8 +6,15 @@ transformers is imported lazily so that tests not using these fixtures do not pa
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Before any test module is collected: some import triton (transformers models, the dflash reference), and the
+# Triton kernels can only run in the interpreter if it was asked for before triton's first import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Small but complete: GQA (4 query heads on 2 KV heads), untied embeddings, 4 layers. A wide init
 # (initializer_range 0.1) spreads the logits so greedy decoding has clear winners.

@@ -1,5 +1,5 @@
 """The `dpara-rt` command line: bad input gives one line and a non-zero exit, never a traceback; the main
-commands run on the embedded pair."""
+commands run on the embedded pair, and generate / info / convert on model directories (--target, --drafter)."""
 import json
 import os
 import shutil
@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from dpara_rt import cli as cli_module
 from dpara_rt.assets import TINY_DIR
 
 
@@ -138,3 +139,185 @@ def test_bench_forwards_its_options_and_writes_records(tmp_path):
     assert (tmp_path / "speedup_vs_batch.png").exists()
     rc, _, err = cli("bench", "--out", str(tmp_path), "--methods", "dspark")
     one_line_error(rc, err, "'ar' missing")
+
+
+# ------------------------------------------------------------------------------------ --target / --drafter
+@pytest.fixture(scope="module")
+def text_pair(tmp_path_factory):
+    """A tiny Qwen3 target with a Qwen3-like tokenizer and chat template, and its drafter (see test_text)."""
+    from test_text import EOS, IM_END, VOCAB, predictable_pair, write_tokenizer
+    try:
+        from dpara_rt.models.drafter_io import save_drafter
+    except ImportError:
+        from dpara_rt.models.drafter import save_drafter
+    from dpara_rt.models.loader import save_qwen3
+
+    target, drafter = predictable_pair(vocab=VOCAB, eos=EOS)
+    root = tmp_path_factory.mktemp("text_pair")
+    save_qwen3(target, root / "target")
+    write_tokenizer(root / "target")
+    (root / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, IM_END]}))
+    save_drafter(drafter, root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def run_main(capsys, *args):
+    """cli.main in this process: (exit status, stdout, stderr); argparse's exits count as statuses."""
+    try:
+        rc = cli_module.main([*map(str, args)])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_generate_chat_with_target_and_drafter_streams_the_generators_text(text_pair, capsys):
+    from dpara_rt.text import TextGenerator
+
+    target, drafter = text_pair
+    want = TextGenerator.load(target, drafter, d=4).generate_text("日本語?", 24, chat=True, enable_thinking=False)
+    rc, out, err = run_main(capsys, "generate", "日本語?", "--target", target, "--drafter", drafter, "--chat",
+                            "--no-enable-thinking", "--max-new-tokens", 24, "--d", 4)
+    assert rc == 0, err
+    assert out == want and want
+    assert "tok/s" in err and "[dpara]" in err
+    rc, thinking, err = run_main(capsys, "generate", "日本語?", "--target", target, "--drafter", drafter, "--chat",
+                                 "--max-new-tokens", 24, "--d", 4)
+    assert rc == 0, err
+    assert thinking == TextGenerator.load(target, drafter, d=4).generate_text("日本語?", 24, chat=True)
+
+
+def test_generate_plain_prompt_ar_without_drafter_equals_dpara(text_pair, capsys):
+    target, drafter = text_pair
+    rc, out_ar, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--method", "ar",
+                               "--max-new-tokens", 20)
+    assert rc == 0, err
+    assert out_ar.startswith("def f(x):")
+    rc, out_dp, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", drafter,
+                               "--max-new-tokens", 20, "--device", "cpu", "--dtype", "float32")
+    assert rc == 0, err
+    assert out_dp == out_ar
+
+
+def test_generate_stop_string_and_stop_id(text_pair, capsys):
+    target, drafter = text_pair
+    rc, full, _ = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", drafter,
+                           "--max-new-tokens", 20)
+    completion = full[len("def f(x):"):]
+    assert len(completion) >= 6, completion
+    stop = completion[2:5]
+    rc, out, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", drafter,
+                            "--max-new-tokens", 20, "--stop", stop, "--stop", "never")
+    assert rc == 0, err
+    assert out == "def f(x):" + completion[:completion.index(stop)]
+    assert "stop string" in err
+    from dpara_rt.text import TextTokenizer
+    tok = TextTokenizer.from_dir(target)
+    first = tok.encode(completion)[0]
+    rc, out, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", drafter,
+                            "--max-new-tokens", 20, "--stop-id", first)
+    assert rc == 0, err
+    assert out == "def f(x):" and "stop id" in err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--method", "dpara"], "needs --drafter"),
+    (["--enable-thinking"], "add --chat"),
+    (["--system", "be brief"], "add --chat"),
+    (["--stop-id", "512"], "--stop-id 512 is outside"),
+    (["--stop-id", "-1"], "--stop-id"),
+    (["--dtype", "int8"], "--dtype 'int8'"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-k", "0"], "--top-k"),
+    (["--stop", ""], "--stop"),
+    (["--device", "tpu"], "tpu"),
+    (["--models", "somewhere"], "--models somewhere and --target"),
+])
+def test_generate_errors_are_one_line(text_pair, capsys, args, fragment):
+    method = [] if "--method" in args else ["--method", "ar"]
+    rc, out, err = run_main(capsys, "generate", "hi", "--target", text_pair[0], *method, *args)
+    one_line_error(rc, err, fragment)
+    assert out == ""
+
+
+def test_generate_chat_without_template_is_one_line(capsys):
+    rc, out, err = run_main(capsys, "generate", "hi", "--chat", "--method", "ar")
+    one_line_error(rc, err, "no chat template")
+
+
+def test_info_reports_a_fitting_pair(text_pair, capsys):
+    target, drafter = text_pair
+    rc, out, err = run_main(capsys, "info", "--target", target, "--drafter", drafter)
+    assert rc == 0, err
+    for line in ("ok    vocab size", "ok    hidden size", "ok    feature layers", "ok    mask token id",
+                 "ok    tokenizer", "block size", "markov rank", "fits: yes", "enable_thinking"):
+        assert line in out, out
+    assert err == ""
+
+
+def test_info_reports_why_a_pair_does_not_fit(text_pair, tmp_path, capsys):
+    target, drafter = text_pair
+    bad = tmp_path / "drafter"
+    shutil.copytree(drafter, bad)
+    blob = json.loads((bad / "drafter_config.json").read_text())
+    blob["config"].update(layer_ids=[1, 9], vocab_size=600, mask_token_id=550)
+    (bad / "drafter_config.json").write_text(json.dumps(blob))
+    rc, out, err = run_main(capsys, "info", "--target", target, "--drafter", bad)
+    assert rc == 1
+    assert "fits: no (3 reason(s))" in out
+    reasons = err.strip().splitlines()
+    assert len(reasons) == 3, err
+    assert "vocab_size=600" in reasons[0] and "target vocab_size=512" in reasons[0]
+    assert "[9]" in reasons[1] and "0..3" in reasons[1]
+    assert "mask_token_id=550" in reasons[2]
+    assert "Traceback" not in err
+
+
+def test_info_errors_are_one_line(tmp_path, text_pair, capsys):
+    rc, _, err = run_main(capsys, "info", "--target", tmp_path / "nope", "--drafter", text_pair[1])
+    one_line_error(rc, err, "nope", "not a directory")
+    rc, _, err = run_main(capsys, "info", "--drafter", text_pair[1])
+    one_line_error(rc, err, "needs --target")
+    rc, _, err = run_main(capsys, "info", "--target", text_pair[0], "--drafter", tmp_path)
+    one_line_error(rc, err, str(tmp_path))
+
+
+def test_convert_errors_are_one_line(tmp_path, text_pair, capsys):
+    rc, _, err = run_main(capsys, "convert", "dspark", tmp_path / "missing", tmp_path / "out")
+    one_line_error(rc, err, "missing")
+    rc, _, err = run_main(capsys, "convert", "dspark", text_pair[0], tmp_path / "out")  # a Qwen3, not a drafter
+    one_line_error(rc, err, "config.json")
+    rc, _, err = run_main(capsys, "convert", "eagle", tmp_path, tmp_path / "out")
+    one_line_error(rc, err, "eagle")
+
+
+def test_convert_a_dflash_drafter_then_check_and_generate_with_it(text_pair, tmp_path, capsys):
+    """`convert dflash` writes a dpara_rt drafter that `info` accepts and `generate` decodes with, losslessly."""
+    dflash_model = pytest.importorskip("dflash.model", reason="the DFlash reference: pip install --no-deps dflash")
+    import torch
+    from transformers import Qwen3Config
+
+    target, _ = text_pair
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    cfg.block_size, cfg.num_target_layers = 4, 4
+    cfg.dflash_config = {"mask_token_id": 511, "target_layer_ids": [1, 2]}
+    cfg.architectures = ["DFlashDraftModel"]
+    torch.manual_seed(0)
+    dflash_model.DFlashDraftModel(cfg).eval().save_pretrained(tmp_path / "src")
+
+    rc, out, err = run_main(capsys, "convert", "dflash", tmp_path / "src", tmp_path / "out")
+    assert rc == 0, err
+    assert "drafter_config.json" in out and "mask_token_id 511" in out and "markov_rank 0" in out
+    rc, out, err = run_main(capsys, "info", "--target", target, "--drafter", tmp_path / "out")
+    assert rc == 0, err
+    assert "fits: yes" in out and "ok    mask token id: 511" in out and "markov rank: 0" in out
+    rc, want, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--method", "ar",
+                             "--max-new-tokens", 16)
+    assert rc == 0, err
+    for drafter in (tmp_path / "out", tmp_path / "src"):
+        rc, out, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", drafter,
+                                "--method", "dflash", "--d", 3, "--max-new-tokens", 16)
+        assert rc == 0, err
+        assert out == want

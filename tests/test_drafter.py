@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dpara_rt.ops import MAX_DRAFT
-from dpara_rt.models.drafter import (MASK_ID, Drafter, DrafterConfig, DrafterWarning, default_layer_ids,
-                                     load_drafter, save_drafter, tree_layout)
+from dpara_rt.models.drafter import MASK_ID, Drafter, DrafterConfig, DrafterWarning, default_layer_ids, tree_layout
+from dpara_rt.models.drafter_io import load_drafter, save_drafter
 
 torch.set_num_threads(1)
 
@@ -34,8 +34,26 @@ def _filled_cache(dr, lengths, max_len=48, seed=0):
     return cache, feats
 
 
+@pytest.fixture
+def mask_rows_drafter(tiny_target, tiny_layer_ids):
+    """The DFlash convention: drafts read from the mask rows after the anchor, mask rows embedded as a target
+    token, no Markov head."""
+    cfg = DrafterConfig.for_target(tiny_target.config, num_layers=2, block_size=5, markov_rank=0,
+                                   layer_ids=tiny_layer_ids)
+    cfg = DrafterConfig.from_dict({**cfg.to_dict(), "mask_token_id": 7, "draft_rows": "mask"})
+    torch.manual_seed(1)
+    dr = Drafter(cfg, tiny_target.embed_tokens, tiny_target.lm_head)
+    with torch.no_grad():
+        for p in dr.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert dr.mask_embedding is None and "mask_embedding" not in dr.state_dict()
+    return dr.eval()
+
+
 @pytest.mark.parametrize("d", [1, 3, 5])
-def test_branch_r_equals_serial_block_seeing_the_same(drafter, d):
+@pytest.mark.parametrize("convention", ["anchor", "mask"])
+def test_branch_r_equals_serial_block_seeing_the_same(drafter, mask_rows_drafter, d, convention):
+    drafter = drafter if convention == "anchor" else mask_rows_drafter
     cache, _ = _filled_cache(drafter, [7, 1, 13])  # ragged lengths
     spine = torch.randint(0, drafter.config.vocab_size, (3, d + 1), generator=torch.Generator().manual_seed(d))
     boundary = drafter.boundary_logits(cache, spine)
@@ -213,6 +231,16 @@ def test_layouts_and_layer_choice():
     assert visible[7].tolist() == [True, True, True, False, False, False, False, True, True]
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(4, 2) == [0, 3]
+
+
+def test_mask_token_rows_embed_the_targets_token(mask_rows_drafter):
+    rows = mask_rows_drafter.embed_rows(torch.tensor([[MASK_ID, 7, 3]]))
+    torch.testing.assert_close(rows[0, 0], rows[0, 1])
+    assert not torch.allclose(rows[0, 0], rows[0, 2])
+    # the DFlash convention's block holds the anchor row too: d + 1 rows must fit the kernels
+    cache, _ = _filled_cache(mask_rows_drafter, [3])
+    with pytest.raises(ValueError, match=f"d={MAX_DRAFT}: expected 1 <= d <= {MAX_DRAFT - 1}"):
+        mask_rows_drafter.block_logits(cache, torch.tensor([1]), MAX_DRAFT)
 
 
 def test_mask_rows_take_the_mask_embedding(drafter):

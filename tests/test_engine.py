@@ -218,8 +218,8 @@ def test_per_call_options_leave_the_engine_defaults_alone(pair):
     assert sampled == eng.generate(prompts, 16, temperature=1.0, seed=11).tokens
     assert eng.defaults.temperature == 0.0 and eng.defaults.seed == 5
     assert eng.generate(prompts, 16).tokens == ar_reference(target, prompts, 16)  # greedy again
-    with pytest.raises(ValueError, match="top_p = 0.5 with speculative method 'dpara'"):
-        eng.generate(prompts, 4, temperature=1.0, top_p=0.5)
+    assert eng.generate(prompts, 4, temperature=1.0, top_p=0.5, top_k=3).tokens  # truncation is per call too
+    assert eng.defaults.top_p == 1.0 and eng.defaults.top_k == 0
 
 
 def test_the_engine_sizes_its_cache_per_call(pair):

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dpara_rt.assets import TINY_DIR, AssetError, verify_assets
 from dpara_rt.engine import Engine
 from dpara_rt.models.autoregressive import generate_ar
-from dpara_rt.models.drafter import read_drafter_config, save_drafter
+from dpara_rt.models.drafter_io import read_drafter_config, save_drafter
 from dpara_rt.models.target import Target
 from engine_pairs import predictable_pair
 

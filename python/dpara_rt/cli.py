@@ -1,4 +1,4 @@
-"""The `dpara-rt` command line: demo (the main job), generate, info, train, bench."""
+"""The `dpara-rt` command line: demo (the main job), generate, info, convert, train, bench."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 
 from dpara_rt.methods import VARIANTS, needs_drafter, variant
 
@@ -49,6 +50,42 @@ def _temperature(text):
     return v
 
 
+def _top_p(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--top-p must be a number, got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"--top-p must be in (0, 1], got {text}")
+    return v
+
+
+def _token_id(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stop-id must be an integer token id, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"--stop-id must be a token id >= 0, got {v}")
+    return v
+
+
+def _stop_string(text):
+    if not text:
+        raise argparse.ArgumentTypeError("--stop must be a non-empty string, got ''")
+    return text
+
+
+def _dtype(text):
+    from dpara_rt.models.loader import resolve_dtype
+    try:
+        resolve_dtype(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--dtype {text!r} is not supported; expected float32, bfloat16 or "
+                                         "float16") from None
+    return text
+
+
 def _out_dir(path: str) -> str:
     """The output directory, created and proven writable before any work starts."""
     if os.path.exists(path) and not os.path.isdir(path):
@@ -63,23 +100,28 @@ def _out_dir(path: str) -> str:
 
 
 def _load_pair(args):
-    from dpara_rt.compare import load_pair
+    """(tokenizer, target, drafter): from --target/--drafter directories, else the embedded pair."""
     if getattr(args, "target", None):
-        from dpara_rt.models.drafter import load_drafter
-        from dpara_rt.models.loader import load_qwen3
-        target = load_qwen3(args.target)
+        from dpara_rt.models.drafter_io import load_drafter
+        from dpara_rt.models.hf_target import load_target
+        target = load_target(args.target, device=getattr(args, "device", None) or "cpu",
+                             dtype=getattr(args, "dtype", None))
         drafter = load_drafter(args.drafter, target) if args.drafter else None
-        tokenizer = _hf_tokenizer(args.target)
-        return tokenizer, target, drafter
-    return load_pair(getattr(args, "models", None))
+        return _hf_tokenizer(args.target), target, drafter
+    device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
+    if device is None and dtype is None:
+        from dpara_rt.compare import load_pair
+        return load_pair(getattr(args, "models", None))
+    from dpara_rt.assets import load_tiny
+    from dpara_rt.compare import DRAFTER_DTYPE
+    return load_tiny(device=device or "cpu", dtype=dtype or "float32", root=getattr(args, "models", None),
+                     drafter_dtype=DRAFTER_DTYPE)
 
 
 def _hf_tokenizer(path):
-    from dpara_rt.train.tokenizer import CodeTokenizer
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(file):
-        raise CliError(f"no tokenizer.json in {path}; expected a Hugging Face model directory")
-    return CodeTokenizer.from_file(file)
+    """The tokenizer of a model directory (tokenizer.json, tokenizer_config.json, chat template)."""
+    from dpara_rt.text import TextTokenizer
+    return TextTokenizer.from_dir(path)
 
 
 def cmd_demo(args):
@@ -115,35 +157,58 @@ def cmd_demo(args):
 
 
 def cmd_generate(args):
-    from dpara_rt.engine import Engine
+    from dpara_rt.text import TextGenerator, TextTokenizer
     try:
         kw = variant(args.method)
     except ValueError as e:
         raise CliError(str(e)) from None
+    if args.target and args.models:
+        raise CliError(f"--models {args.models} and --target {args.target} both given; expected one pair")
+    if args.drafter and not args.target:
+        raise CliError(f"--drafter {args.drafter} needs --target DIR, the model it drafts for")
+    if args.target and needs_drafter(kw["method"]) and not args.drafter:
+        raise CliError(f"--method {args.method} needs --drafter DIR with --target {args.target}; or use --method ar")
+    if not args.chat and (args.enable_thinking is not None or args.system is not None):
+        raise CliError("--enable-thinking / --no-enable-thinking / --system apply to chat prompts; add --chat")
     tokenizer, target, drafter = _load_pair(args)
-    ids = tokenizer.encode(args.prompt)
-    if not ids:
-        raise CliError("the prompt encodes to no tokens; give some text")
-    eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, temperature=args.temperature,
-                 seed=args.seed, max_batch=1, **kw)
-    sys.stdout.write(args.prompt)
-    done = []
+    if not isinstance(tokenizer, TextTokenizer):
+        tokenizer = TextTokenizer.wrap(tokenizer)
+    vocab = target.config.vocab_size
+    bad = [t for t in args.stop_id or () if t >= vocab]
+    if bad:
+        raise CliError(f"--stop-id {bad[0]} is outside the target's vocabulary (ids 0..{vocab - 1})")
+    engine_kw = dict(d=args.d, temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_batch=1)
+    if args.top_k is not None:
+        engine_kw["top_k"] = args.top_k
+    gen = TextGenerator.build(target, drafter if needs_drafter(kw["method"]) else None, tokenizer,
+                              method=args.method, stop_ids=args.stop_id or (), **engine_kw)
+    chat = dict(chat=args.chat, enable_thinking=args.enable_thinking, system=args.system)
+    gen.prompt_ids(args.prompt, **chat)  # a prompt or template error before any output
+    pieces = gen.generate_text(args.prompt, args.max_new_tokens, stop=args.stop, stream=True, **chat)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
     try:
-        for new in eng.stream([ids], args.max_new_tokens):
-            before = tokenizer.decode(done)
-            done += new[0]
-            sys.stdout.write(tokenizer.decode(done)[len(before):])
+        for piece in pieces:
+            sys.stdout.write(piece)
             sys.stdout.flush()
     except BaseException:
         print(flush=True)  # the error goes on a line of its own, after the partial output
         raise
-    st = eng.last_stats
-    print(f"\n\n[{eng.name}] {st.new_tokens} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
-          f"tau {st.tau:.2f}, {st.rounds} rounds", file=sys.stderr)
+    n, st = len(gen.last_tokens), gen.last_stats
+    if st is not None:
+        line = (f"{st.new_tokens} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), tau {st.tau:.2f}, "
+                f"{st.rounds} rounds")
+    else:
+        wall = gen.last_wall_s
+        line = f"{n} tokens in {wall:.2f} s ({n / wall if wall else 0.0:.1f} tok/s)"
+    end = {"stop_id": "a stop id", "stop_string": "a stop string"}.get(gen.finish_reason, "--max-new-tokens")
+    print(f"\n\n[{gen.engine.name}] {line}; ended at {end}", file=sys.stderr)
     return 0
 
 
 def cmd_info(args):
+    if args.target or args.drafter:
+        return _fit_report(args)
     import dpara_rt
     info = dpara_rt.build_info()
     print(json.dumps(info, indent=1))
@@ -156,6 +221,128 @@ def cmd_info(args):
     for key in ("target", "drafter", "corpus"):
         if key in m:
             print(f"  {key}: {json.dumps(m[key])[:300]}")
+    return 0
+
+
+def _target_config(path) -> dict:
+    """The fields of a target's config.json that a drafter must fit (a text_config supplies missing ones)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise CliError(f"--target {path} is not a directory; expected a Hugging Face model directory")
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise CliError(f"--target {path} has no config.json; expected a Hugging Face model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CliError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CliError(f"{file} holds a JSON {type(d).__name__}; expected an object")
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    out = {"model_type": d.get("model_type", text.get("model_type", "?"))}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        value = d.get(key, text.get(key))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CliError(f"{file} has {key}={value!r}; expected a positive integer")
+        out[key] = value
+    return out
+
+
+def _read_drafter(path):
+    """(format name, DrafterConfig) of a drafter directory (dpara_rt, DSpark or DFlash where supported)."""
+    if not os.path.isdir(path):
+        raise CliError(f"--drafter {path} is not a directory; expected a drafter checkpoint directory")
+    from dpara_rt.models.drafter_io import checkpoint_format, read_drafter_config
+    return checkpoint_format(path), read_drafter_config(path)
+
+
+def _fit_report(args) -> int:
+    """`info --target DIR --drafter DIR`: each check with its verdict; exit 1 with one line per misfit."""
+    if args.drafter and not args.target:
+        raise CliError(f"--drafter {args.drafter} needs --target DIR to check it against")
+    t = _target_config(args.target)
+    V, H, L = t["vocab_size"], t["hidden_size"], t["num_hidden_layers"]
+    print(f"target  {args.target}: {t['model_type']}, vocab_size {V}, hidden_size {H}, {L} layers")
+    checks = []  # (verdict, what, detail)
+
+    tokenizer = None
+    try:
+        tokenizer = _hf_tokenizer(args.target)
+    except ValueError as e:
+        checks.append(("note", "tokenizer", f"none usable ({e}); text generation needs one"))
+    if tokenizer is not None:
+        n = tokenizer.vocab_size
+        template = tokenizer.chat_template
+        chat = "no chat template" if template is None else \
+            "chat template" + (" with enable_thinking" if "enable_thinking" in template else "")
+        if n <= V:
+            checks.append(("ok", "tokenizer", f"{n} tokens fit the target's vocab_size {V}; {chat}"))
+        else:
+            checks.append(("FAIL", "tokenizer", f"the tokenizer has {n} tokens, more than the target's vocab_size {V}"))
+
+    if args.drafter:
+        fmt, c = _read_drafter(args.drafter)
+        print(f"drafter {args.drafter}: {fmt} format, {c.num_layers} layer(s), hidden_size {c.hidden_size}, "
+              f"layer_ids {c.layer_ids}")
+        if c.vocab_size == V:
+            checks.append(("ok", "vocab size", f"drafter {c.vocab_size} = target {V}"))
+        else:
+            checks.append(("FAIL", "vocab size", f"drafter vocab_size={c.vocab_size}, target vocab_size={V}"))
+        if c.target_hidden_size == H and c.hidden_size == H:
+            checks.append(("ok", "hidden size", f"drafter target_hidden_size {c.target_hidden_size} / hidden_size "
+                                                f"{c.hidden_size} = target hidden_size {H}"))
+        else:
+            checks.append(("FAIL", "hidden size", f"drafter target_hidden_size={c.target_hidden_size} / "
+                                                  f"hidden_size={c.hidden_size}, target hidden_size={H}"))
+        beyond = [i for i in c.layer_ids if i >= L]
+        if beyond:
+            checks.append(("FAIL", "feature layers", f"drafter layer_ids {c.layer_ids} include {beyond}, beyond the "
+                                                     f"target's {L} layers (valid ids 0..{L - 1})"))
+        else:
+            checks.append(("ok", "feature layers", f"layer_ids {c.layer_ids} within the target's {L} layers "
+                                                   f"(0..{L - 1})"))
+        mask = getattr(c, "mask_token_id", None)
+        if mask is None:
+            checks.append(("ok", "mask token id", "none (mask rows use a learned embedding)"))
+        elif 0 <= mask < V:
+            name = tokenizer.backend.id_to_token(mask) if tokenizer is not None else None
+            checks.append(("ok", "mask token id", f"{mask}{f' ({name!r})' if name else ''} inside the target's "
+                                                  f"vocab (0..{V - 1})"))
+        else:
+            checks.append(("FAIL", "mask token id", f"mask_token_id={mask} is outside the target's vocab "
+                                                    f"(0..{V - 1})"))
+        from dpara_rt.ops import MAX_DRAFT
+        top = MAX_DRAFT - getattr(c, "lead", 0)
+        checks.append(("ok" if c.block_size <= top else "note", "block size",
+                       f"{c.block_size} (trained for d <= {c.block_size}" +
+                       (")" if c.block_size <= top else f"; the kernels run d <= {top})")))
+        checks.append(("ok", "markov rank", f"{c.markov_rank}" if c.markov_rank else
+                       "0 (no Markov head: drafts are the backbone's own tokens)"))
+
+    for verdict, what, detail in checks:
+        print(f"  {verdict:<5} {what}: {detail}")
+    reasons = [f"{what}: {detail}" for verdict, what, detail in checks if verdict == "FAIL"]
+    if not args.drafter:
+        print("fits: n/a (no --drafter given)" if not reasons else f"fits: no ({len(reasons)} reason(s))")
+    else:
+        print("fits: yes" if not reasons else f"fits: no ({len(reasons)} reason(s))")
+    for r in reasons:
+        print(f"dpara-rt info: does not fit: {r}", file=sys.stderr)
+    return 1 if reasons else 0
+
+
+def cmd_convert(args):
+    from dpara_rt.models.convert import convert
+    if not os.path.isdir(args.src):
+        raise CliError(f"source {args.src} is not a directory; expected a {args.kind} drafter checkpoint directory")
+    if os.path.exists(args.dst) and not os.path.isdir(args.dst):
+        raise CliError(f"destination {args.dst} is a file; expected a directory (created if missing)")
+    c = convert(args.kind, args.src, args.dst)
+    files = sorted(f for f in os.listdir(args.dst) if os.path.isfile(os.path.join(args.dst, f)))
+    print(f"wrote {args.dst} ({', '.join(files)}): dpara_rt drafter from the {args.kind} checkpoint {args.src}")
+    print(f"  layer_ids {c.layer_ids}, vocab_size {c.vocab_size}, hidden_size {c.hidden_size}, "
+          f"target_hidden_size {c.target_hidden_size}, {c.num_layers} layer(s), block_size {c.block_size}, "
+          f"markov_rank {c.markov_rank}, mask_token_id {getattr(c, 'mask_token_id', None)}")
     return 0
 
 
@@ -181,20 +368,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
     demo.set_defaults(fn=cmd_demo)
 
-    gen = sub.add_parser("generate", help="stream a completion of a prompt")
+    gen = sub.add_parser("generate", help="stream a completion of a prompt as text")
     gen.add_argument("prompt")
     gen.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
     gen.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
     gen.add_argument("--temperature", type=_temperature, default=0.0)
+    gen.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--top-k", type=_positive("--top-k"), default=None, help="sample among the k likeliest")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--d", type=_positive("--d"), default=7)
-    gen.add_argument("--target", help="a Hugging Face Qwen3 directory (default: the embedded pair)")
-    gen.add_argument("--drafter", help="a dpara_rt drafter directory for --target")
+    gen.add_argument("--target", help="a Hugging Face model directory with its tokenizer (default: the embedded "
+                                      "pair)")
+    gen.add_argument("--drafter", help="a drafter directory for --target (dpara_rt, DSpark or DFlash); not needed "
+                                       "for --method ar")
+    gen.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    gen.add_argument("--dtype", type=_dtype, default=None,
+                     help="float32, bfloat16 or float16 (default: the checkpoint's; float32 for the embedded pair)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    gen.add_argument("--system", default=None, help="a system message for --chat")
+    gen.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                     help="pass enable_thinking to the chat template (only when given)")
+    gen.add_argument("--stop", action="append", type=_stop_string, default=None, metavar="TEXT",
+                     help="stop when the text contains TEXT (not printed); repeatable")
+    gen.add_argument("--stop-id", action="append", type=_token_id, default=None, metavar="ID",
+                     help="stop at this token id (besides the model's EOS ids); repeatable")
     gen.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
     gen.set_defaults(fn=cmd_generate)
 
-    info = sub.add_parser("info", help="build info, lanes, embedded models")
+    info = sub.add_parser("info", help="build info, lanes, embedded models; with --target/--drafter: does the "
+                                       "pair fit")
+    info.add_argument("--target", default=None, help="a Hugging Face model directory")
+    info.add_argument("--drafter", default=None, help="a drafter directory to check against --target")
     info.set_defaults(fn=cmd_info)
+
+    conv = sub.add_parser("convert", help="rewrite a published DSpark / DFlash drafter as a dpara_rt drafter")
+    conv.add_argument("kind", choices=("dspark", "dflash"))
+    conv.add_argument("src", help="the published drafter directory (config.json + safetensors)")
+    conv.add_argument("dst", help="where to write drafter_config.json + drafter.safetensors")
+    conv.set_defaults(fn=cmd_convert)
 
     train = sub.add_parser("train", help="run the training recipes")
     train.add_argument("--preset", default="tiny")
@@ -207,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"dpara-rt: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark owns its options (see bench/bench_e2e.py --help)
@@ -214,9 +429,12 @@ def main(argv=None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            return args.fn(args)
     except (CliError, ValueError, RuntimeError, OSError) as e:
-        print(f"dpara-rt {args.command}: error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split()) if "\n" in str(e) else str(e)
+        print(f"dpara-rt {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

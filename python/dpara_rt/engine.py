@@ -7,12 +7,16 @@
 Placement: ``split`` gives the target and the drafter a device each (two CUDA devices, or on the CPU two
 host lanes pinned to a core each); ``colocated`` (DPara-single) puts both lanes on one device (two streams
 of one GPU, or two host lanes sharing one core). The constructor's sampling arguments are defaults; each
-call may override them.
+call may override them. Sampling draws from temperature, then top-k (0 = off), then top-p (1 = off) with every
+method: speculative verification uses the same truncated target distribution as AR, so it stays lossless.
+A call may give temperature, top_p, top_k and seed per request (a sequence with one value per prompt); see
+``generate`` for what a per-request seed guarantees.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import sys
 import threading
 import time
@@ -24,8 +28,8 @@ import torch
 from dpara_rt.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
 from dpara_rt.methods.rounds import DecodeOptions, Decoder, is_int
-from dpara_rt.models.drafter import check_target_compatible
-from dpara_rt.models.target import Target
+from dpara_rt.models.drafter_io import check_target_compatible
+from dpara_rt.models.hf_target import make_target
 from dpara_rt.stats import Stats, summarize
 
 MAX_BATCH = 16
@@ -41,9 +45,9 @@ class Output:
 
 class Engine:
     def __init__(self, target, drafter=None, method: str = "dpara", d: int = 7, placement: str = "split",
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_batch: int = MAX_BATCH,
-                 max_len: int | None = None, eos_ids: Sequence[int] | None = None, psd_policy: str = "pearl",
-                 ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 max_batch: int = MAX_BATCH, max_len: int | None = None, eos_ids: Sequence[int] | None = None,
+                 psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
         if not is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH:
@@ -59,10 +63,9 @@ class Engine:
         cap = getattr(target.config, "max_position_embeddings", None)
         if max_len is not None and cap is not None and max_len > cap:
             raise ValueError(f"max_len = {max_len}; expected at most the model's max_position_embeddings {cap}")
-        self.defaults = DecodeOptions(d=d if method != "ar" else 1, temperature=float(temperature), top_p=top_p,
-                                      seed=seed, eos_ids=tuple(eos_ids),
+        self.defaults = DecodeOptions(d=d if method != "ar" else 1, temperature=_as_float(temperature),
+                                      top_p=top_p, top_k=top_k, seed=seed, eos_ids=tuple(eos_ids),
                                       psd_policy=psd_policy, ssd_fanout=ssd_fanout, dpara_ring=dpara_ring)
-        self._check_top_p(self.defaults)
         self.model = target
         self.drafter = drafter if needs_drafter(method) else None
         if needs_drafter(method):
@@ -71,7 +74,7 @@ class Engine:
             check_target_compatible(drafter.config, target)
         layer_ids = drafter.config.layer_ids if self.drafter is not None else ()
         self.fixed_max_len = max_len
-        self.target = Target(target, max_batch, max_len or _CACHE_GRANULE, layer_ids)
+        self.target = make_target(target, max_batch, max_len or _CACHE_GRANULE, layer_ids)
         parallel = method == AUTO or METHODS[method].parallel
         self.lanes = make_lanes(target.device, self.drafter.device if self.drafter is not None else target.device,
                                 placement, parallel, threads_per_lane)
@@ -86,18 +89,13 @@ class Engine:
     def _variant(self, method: str, opts: DecodeOptions) -> str:
         return variant_name(method, self.placement, opts.psd_policy, opts.dpara_ring)
 
-    def _check_top_p(self, opts: DecodeOptions):
-        if self.method != "ar" and opts.top_p < 1 and opts.sampling:
-            raise ValueError(f"top_p = {opts.top_p} with speculative method {self.method!r}: lossless "
-                             "verification here uses the full distribution; use top_p = 1 or method 'ar'")
-
     # ------------------------------------------------------------------ decoding
     def options(self, max_new_tokens: int, **overrides) -> DecodeOptions:
         """This call's options: the engine's defaults with the call's arguments (None keeps a default)."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        opts = dataclasses.replace(self.defaults, max_new_tokens=max_new_tokens, **given)
-        self._check_top_p(opts)
-        return opts
+        if "temperature" in given:
+            given["temperature"] = _as_float(given["temperature"])
+        return dataclasses.replace(self.defaults, max_new_tokens=max_new_tokens, **given)
 
     def _prompts(self, prompts) -> list[list[int]]:
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -113,35 +111,40 @@ class Engine:
             out.append([int(t) for t in p])
         return out
 
-    def _reserve(self, prompts: list[list[int]], opts: DecodeOptions) -> None:
-        """Size the KV cache for this call: prompt + max_new_tokens + one verify block of slack per round side."""
+    def check_fits(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int | None]:
+        """(cache slots these prompts need, the cap); ValueError when the longest does not fit."""
         longest = max(map(len, prompts))
-        need = longest + opts.max_new_tokens + 2 * (opts.d + 1)
+        need = longest + max_new_tokens + 2 * (self.defaults.d + 1)
         cap = self.fixed_max_len or getattr(self.model.config, "max_position_embeddings", None)
         if cap is not None and need > cap:
             what = "max_len" if self.fixed_max_len else "the model's max_position_embeddings"
-            raise ValueError(f"longest prompt ({longest} tokens) + max_new_tokens {opts.max_new_tokens} + "
+            raise ValueError(f"longest prompt ({longest} tokens) + max_new_tokens {max_new_tokens} + "
                              f"2*(d+1) needs {need} cache slots, more than {what} {cap}")
+        return need, cap
+
+    def _reserve(self, prompts: list[list[int]], opts: DecodeOptions) -> None:
+        """Size the KV cache for this call: prompt + max_new_tokens + one verify block of slack per round side."""
+        need, cap = self.check_fits(prompts, opts.max_new_tokens)
         if self.fixed_max_len is None:
             granules = -(-need // _CACHE_GRANULE)
             self.target.reserve(min(granules * _CACHE_GRANULE, cap or need))
 
-    def stream(self, prompts: list[list[int]], max_new_tokens: int = 64, *, temperature: float | None = None,
-               top_p: float | None = None, seed: int | None = None, trace: bool = False
-               ) -> Iterator[list[list[int]]]:
+    def stream(self, prompts: list[list[int]], max_new_tokens: int = 64, *,
+               temperature: float | Sequence[float] | None = None, top_p: float | Sequence[float] | None = None,
+               top_k: int | Sequence[int] | None = None, seed: int | Sequence[int] | None = None,
+               trace: bool = False) -> Iterator[list[list[int]]]:
         """Yield, every round, the new tokens committed per request (the first yield is the prefill's token).
-        After the iterator ends, ``self.last_stats`` holds the statistics.
+        After the iterator ends, ``self.last_stats`` holds the statistics. The sampling arguments are as for
+        ``generate``.
 
         An engine runs one decode at a time. A new call cancels a stream that is suspended (its chain stops
         before the new call touches the caches; resuming it raises), and raises while another thread's call is
         running on this engine. Process-wide settings (switch interval, intra-op threads) hold only while the
         decode runs, never while the stream is suspended in the caller's code."""
-        return self._stream(prompts, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed), trace,
-                            hold=False)
+        overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        return self._stream(prompts, max_new_tokens, overrides, trace, hold=False)
 
     def _stream(self, prompts, max_new_tokens: int, overrides: dict, trace: bool, hold: bool):
-        if overrides["temperature"] is not None:
-            overrides["temperature"] = float(overrides["temperature"])
         opts = self.options(max_new_tokens, **overrides)
         prompts = self._prompts(prompts)
         ticket = self._claim()
@@ -192,7 +195,8 @@ class Engine:
 
     def _decode(self, ticket: "_Ticket", method: str, opts: DecodeOptions, prompts: list[list[int]], trace: bool):
         spec = METHODS[method]
-        dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter)
+        dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter,
+                                            markov=spec.markov)
         new_tokens = 0
         t0 = time.perf_counter()
         for new in dec.run(spec.run):
@@ -201,14 +205,40 @@ class Engine:
         name = self._variant(method, opts)
         self.last_stats = summarize(dec, name, len(prompts), time.perf_counter() - t0, new_tokens, trace)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, *, temperature: float | None = None,
-                 top_p: float | None = None, seed: int | None = None, trace: bool = False) -> Output:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, *,
+                 temperature: float | Sequence[float] | None = None, top_p: float | Sequence[float] | None = None,
+                 top_k: int | Sequence[int] | None = None, seed: int | Sequence[int] | None = None,
+                 trace: bool = False) -> Output:
+        """Decode a batch. None keeps the engine's default; temperature, top_p, top_k and seed may each be one
+        value for the batch or a sequence with one value per prompt.
+
+        Rows with temperature 0 are greedy: in a batch with sampled rows they still get exactly the AR greedy
+        output. One seed for the batch gives one random stream shared by the rows (a row's draws depend on its
+        batch). Per-request seeds give each request its own stream (a torch.Generator for verification's and
+        AR's uniforms, and the Markov head run per row under that seed): a request then makes the same random
+        draws as when it runs alone with that seed, so with AR, DSpark and DPara its output equals its
+        output alone whenever the batched forwards give its row the same logits as a batch of one. PSD's
+        drafts depend on the batch (a guess miss in any row makes every row draft serially), so there a
+        request's output follows the same law as alone but not the same draws."""
         tokens = [[] for _ in prompts]
-        overrides = dict(temperature=temperature, top_p=top_p, seed=seed)
+        overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         for new in self._stream(prompts, max_new_tokens, overrides, trace, hold=True):
             for out, t in zip(tokens, new):
                 out.extend(t)
         return Output(tokens, self.last_stats)
+
+
+def _as_float(temperature):
+    """A temperature as float, or a per-request sequence as a tuple of floats (validated by DecodeOptions)."""
+    if isinstance(temperature, (str, bytes)):
+        return temperature
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temperature = temperature.tolist()
+    if hasattr(temperature, "__len__") or hasattr(temperature, "__iter__"):
+        return tuple(float(t) if isinstance(t, numbers.Real) and not isinstance(t, bool) else t
+                     for t in temperature)
+    return float(temperature) if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool) \
+        else temperature
 
 
 def _with_variant(name: str, opts: DecodeOptions) -> tuple[str, DecodeOptions]:

@@ -1,53 +1,162 @@
-"""Token selection shared by every decoding method: temperature, top-p (nucleus), seeded draws.
+"""Token selection shared by every decoding method: temperature, top-k, top-p (nucleus), seeded draws.
+
+The distribution a token is drawn from (``probs``) is built in this order, as in transformers and vLLM:
+
+1. temperature: softmax(logits / T) (T = 0: one-hot at the argmax, lowest index on ties; nothing else applies);
+2. top-k (0 = off): keep every token whose probability is at least the k-th largest one (tokens tied with
+   the k-th are all kept, so more than k may survive), renormalise;
+3. top-p (1 = off): of what top-k left, keep the smallest set of most likely tokens whose mass reaches top_p
+   (ties ordered by token id, a stable sort), renormalise. The most likely token always survives.
+
+AR draws from this distribution, and lossless speculative verification uses the very same function for the
+target side p (the drafter's q stays untruncated: draft tokens outside p's support have p = 0 and are always
+rejected, and the residual max(p - q, 0) is zero outside it), so every method samples from one law.
+
+Each parameter is a scalar for the whole batch or one value per row of the logits (a sequence or a tensor of
+length B); a row's result depends only on its own logits and parameters, never on its batch-mates.
 
 Draws go through `inverse_cdf(p, u)` with explicit uniforms so that a seeded torch.Generator makes runs
 repeat. It is the verification kernels' own float64 rule (a float32 running sum drifts by more than a
-token's mass at V ~ 150k), so AR sampling and lossless verification draw alike.
+token's mass at V ~ 150k), so AR sampling and lossless verification draw alike. ``uniforms`` takes either one
+generator for the batch or one generator per row (each row then draws from its own stream only).
 """
 from __future__ import annotations
+
+import math
+import numbers
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
 
 from dpara_rt.kernels.verify import inverse_cdf
 
-
-def check_sampling(temperature: float, top_p: float):
-    if not temperature >= 0:
-        raise ValueError(f"temperature = {temperature!r}; expected >= 0 (0 means greedy)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p = {top_p!r}; expected 0 < top_p <= 1")
+Param = Union[float, int, Sequence, Tensor]
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
 
 
-def top_p_filter(p: Tensor, top_p: float) -> Tensor:
-    """Zero all but the smallest set of most likely tokens whose mass reaches top_p, then renormalise."""
-    if top_p >= 1:
+def _values(value) -> tuple[list, bool]:
+    """(the values, whether `value` was given per row)."""
+    if isinstance(value, Tensor):
+        return value.reshape(-1).tolist(), value.dim() > 0
+    if isinstance(value, (list, tuple)):
+        return list(value), True
+    return [value], False
+
+
+def _named(name: str, i: int, per_row: bool) -> str:
+    return f"{name}[{i}]" if per_row else name
+
+
+def check_sampling(temperature: Param, top_p: Param, top_k: Param = 0):
+    """ValueError naming the offending value unless 0 <= temperature, 0 < top_p <= 1 and top_k an int >= 0;
+    each may be a scalar or one value per row."""
+    values, per_row = _values(temperature)
+    for i, t in enumerate(values):
+        if not (isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"{_named('temperature', i, per_row)} = {t!r}; expected a finite number >= 0 "
+                             "(0 means greedy)")
+    values, per_row = _values(top_p)
+    for i, p in enumerate(values):
+        if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and 0 < p <= 1):
+            raise ValueError(f"{_named('top_p', i, per_row)} = {p!r}; expected 0 < top_p <= 1")
+    values, per_row = _values(top_k)
+    for i, k in enumerate(values):
+        if not (isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 0):
+            raise ValueError(f"{_named('top_k', i, per_row)} = {k!r}; expected an int >= 0 (0 = off)")
+
+
+def _rows(value: Param, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """`value` as a tensor broadcastable against `like` [B, ..., V]: a scalar, or [B, 1, ..., 1] per row."""
+    if not isinstance(value, (Tensor, list, tuple)):
+        return torch.tensor(value, dtype=dtype, device=like.device)
+    t = torch.as_tensor(value, dtype=dtype).to(like.device)
+    if t.dim() == 0:
+        return t
+    if t.dim() != 1 or t.shape[0] != like.shape[0]:
+        raise ValueError(f"a per-row sampling parameter has {t.numel()} values for {like.shape[0]} rows; "
+                         "expected one per row")
+    return t.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _renormalise(p: Tensor, keep: Tensor, active: Tensor) -> Tensor:
+    """p restricted to `keep` and renormalised, on rows where `active`; other rows unchanged (bit for bit)."""
+    kept = p * keep
+    return torch.where(active, kept / kept.sum(-1, keepdim=True), p)
+
+
+def top_k_filter(p: Tensor, top_k: Param) -> Tensor:
+    """Zero every token below the k-th largest probability (ties with it are kept), then renormalise.
+    top_k: an int (0 = off) or one per row; k >= V keeps everything."""
+    check_sampling(0.0, 1.0, top_k)
+    vocab = p.shape[-1]
+    active_ks = [k for k in _values(top_k)[0] if 0 < k < vocab]
+    if not active_ks:
         return p
-    sorted_p, order = p.sort(dim=-1, descending=True)
+    k_max = max(active_ks)
+    k = _rows(top_k, p, torch.long)
+    largest = p.topk(k_max, dim=-1).values  # sorted, descending
+    kth = largest.gather(-1, (k.clamp(1, k_max) - 1).expand(*p.shape[:-1], 1))
+    return _renormalise(p, p >= kth, (k > 0) & (k < vocab))
+
+
+def top_p_filter(p: Tensor, top_p: Param) -> Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches top_p, then renormalise.
+    top_p: a float in (0, 1] (1 = off) or one per row."""
+    check_sampling(0.0, top_p)
+    if all(v >= 1 for v in _values(top_p)[0]):
+        return p
+    limit = _rows(top_p, p, torch.float32)
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted = mass_before < top_p  # the most likely token always survives (mass_before = 0)
+    keep_sorted = mass_before < limit  # the most likely token always survives (mass_before = 0)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    p = p * keep
-    return p / p.sum(-1, keepdim=True)
+    return _renormalise(p, keep, limit < 1)
 
 
-def probs(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0) -> Tensor:
-    """The distribution tokens are drawn from, [..., V] fp32; one-hot at the argmax when temperature is 0."""
-    check_sampling(temperature, top_p)
+def _all_greedy(temperature: Param) -> bool:
+    return all(t == 0 for t in _values(temperature)[0])
+
+
+def probs(logits: Tensor, temperature: Param = 0.0, top_p: Param = 1.0, top_k: Param = 0) -> Tensor:
+    """The distribution tokens are drawn from, [..., V] fp32: temperature, then top-k, then top-p (see the
+    module docstring); one-hot at the argmax on rows whose temperature is 0. Per-row parameters index dim 0."""
+    check_sampling(temperature, top_p, top_k)
     logits = logits.float()
-    if temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p)
+    one_hot = lambda: torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # noqa: E731
+    if _all_greedy(temperature):
+        return one_hot()
+    t = _rows(temperature, logits, torch.float32)
+    greedy = t == 0
+    p = torch.softmax(logits / torch.where(greedy, 1.0, t), dim=-1)
+    p = top_p_filter(top_k_filter(p, top_k), top_p)
+    if any(v == 0 for v in _values(temperature)[0]):
+        p = torch.where(greedy, one_hot(), p)
+    return p
 
 
-def sample(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> Tensor:
-    """One token per row of logits [B, V]: argmax at temperature 0, else a draw from probs(...)."""
-    check_sampling(temperature, top_p)
-    if temperature == 0:
+def uniforms(generator: Generators, rows: int, *shape: int, device=None) -> Tensor:
+    """Uniforms [rows, *shape] in [0, 1): from one generator for the batch, or from one generator per row
+    (row b's values come from generator[b] alone, exactly what that row would draw in a batch of one)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != rows:
+            raise ValueError(f"{len(generator)} generators for {rows} rows; expected one per row")
+        if not rows:
+            return torch.empty(0, *shape, device=device)
+        u = torch.cat([torch.rand(1, *shape, generator=g, device=g.device) for g in generator])
+        return u if device is None else u.to(device)
+    return torch.rand(rows, *shape, generator=generator, device=device)
+
+
+def sample(logits: Tensor, temperature: Param = 0.0, top_p: Param = 1.0, generator: Generators = None,
+           top_k: Param = 0) -> Tensor:
+    """One token per row of logits [B, V]: argmax at temperature 0, else a draw from probs(...).
+    generator: one for the batch or one per row; nothing is drawn when every row is greedy."""
+    check_sampling(temperature, top_p, top_k)
+    if _all_greedy(temperature):
         return logits.argmax(-1)
-    u = torch.rand(logits.shape[0], generator=generator, device=logits.device)
-    return inverse_cdf(probs(logits, temperature, top_p), u)
+    u = uniforms(generator, logits.shape[0], device=logits.device)
+    return inverse_cdf(probs(logits, temperature, top_p, top_k), u)
 
 
 def make_generator(seed: int, device="cpu") -> torch.Generator:

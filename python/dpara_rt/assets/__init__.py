@@ -79,7 +79,7 @@ def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = No
     verify block and single-token decoding round alike and greedy outputs match AR exactly) and
     ``drafter_dtype`` what the drafter computes in (default: the target's). The drafter's precision only
     changes which tokens are proposed, never what is committed."""
-    from dpara_rt.models.drafter import load_drafter
+    from dpara_rt.models.drafter_io import load_drafter
     from dpara_rt.models.loader import load_qwen3, resolve_dtype
     from dpara_rt.train.tokenizer import CodeTokenizer
 

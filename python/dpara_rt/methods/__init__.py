@@ -17,11 +17,14 @@ class Method:
     run: Callable        # run(dec, first): queue the method's chain
     needs_drafter: bool
     parallel: bool       # drafts while the target verifies: both lanes busy at once
+    markov: bool = True  # drafts through the drafter's Markov head (if it has one)
 
 
 METHODS = {
     "ar": Method(ar.run, needs_drafter=False, parallel=False),
     "dspark": Method(dspark.run, needs_drafter=True, parallel=False),
+    # DFlash: the same serial chain, drafting the backbone's own tokens without the Markov head
+    "dflash": Method(dspark.run, needs_drafter=True, parallel=False, markov=False),
     "psd": Method(psd.run, needs_drafter=True, parallel=True),
     "dpara": Method(dpara.run, needs_drafter=True, parallel=True),
 }
@@ -32,6 +35,7 @@ AUTO_CANDIDATES = ("dspark", "dpara", "dpara-hidden")  # variant names
 VARIANTS = {
     "ar": dict(method="ar"),
     "dspark": dict(method="dspark"),
+    "dflash": dict(method="dflash"),
     "psd-pearl": dict(method="psd", psd_policy="pearl"),
     "psd-ssd": dict(method="psd", psd_policy="ssd"),
     "dpara": dict(method="dpara"),

@@ -15,10 +15,12 @@ def run(dec: Decoder, first: Outcome):
     def launch(prev: Outcome, tokens, q, absorb: bool):  # drafter lane: verify the draft, fill a slot meanwhile
         nxt = dec.send(prev, tokens, q)
         slot = dec.ring.acquire(dec.drafter_lane.core)
-        dec.post(dec.target_lane, "verify", lambda: verify(nxt, slot))
+        # The backbone is queued before the verify link that queues this slot's Markov head: links go out in
+        # the order they were posted, so the drafter lane runs the backbone (which marks the slot ready) first.
         if absorb:  # the backbone's context must hold what `prev` accepted
             dec.post(dec.drafter_lane, "context", lambda: dec.absorb(prev))
         dec.post(dec.drafter_lane, "backbone", lambda: dec.fill_boundary(nxt, slot))
+        dec.post(dec.target_lane, "verify", lambda: verify(nxt, slot))
 
     def verify(nxt: Draft, slot: int):  # target lane
         out = dec.verify_and_accept(nxt, slot)

@@ -9,7 +9,6 @@ correct because a job that records or waits on its own lane does so at its curre
 """
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -24,12 +23,13 @@ from dpara_rt.chain import Chain
 from dpara_rt.core import slot_tensor, stage_in, staging_tensor
 from dpara_rt.lanes import Lane
 from dpara_rt.models.target import Target
-from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample
+from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample, uniforms
 
 PSD_POLICIES = ("pearl", "ssd")
 MAX_SSD_FANOUT = 64  # each guess costs one serial backbone forward per round
 RING_CONTENTS = ("logits", "hidden")  # what DPara's ring holds per branch row: boundary logits, or hidden states
 _SEED_LIMIT = 1 << 63
+_ROW_STREAM_SHIFT = 40  # per-row Markov head calls under one seed: row b's Philox offset is calls + (b << 40)
 
 
 def is_int(value) -> bool:
@@ -37,13 +37,34 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+_PER_REQUEST = ("temperature", "top_p", "top_k", "seed")  # options a call may give one value per prompt
+
+
+def _per_request(value):
+    """A per-request value (a sequence: one per prompt) as a tuple; a scalar as it is."""
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return tuple(value.tolist()) if value.dim() > 0 else value.item()
+    if isinstance(value, np.ndarray):
+        return tuple(value.tolist()) if value.ndim > 0 else value.item()
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What one decode call runs with (the engine's defaults overridden per call)."""
+    """What one decode call runs with (the engine's defaults overridden per call).
+
+    temperature, top_p, top_k and seed are each one value for the whole batch or a tuple with one value per
+    prompt (``check_batch`` checks the count). Sampling applies temperature, then top-k (0 = off), then top-p
+    (1 = off): see dpara_rt.sampling."""
     d: int = 7
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float | tuple[float, ...] = 0.0
+    top_p: float | tuple[float, ...] = 1.0
+    top_k: int | tuple[int, ...] = 0
+    seed: int | tuple[int, ...] = 0
     max_new_tokens: int = 64
     eos_ids: tuple[int, ...] = ()
     psd_policy: str = "pearl"
@@ -51,13 +72,19 @@ class DecodeOptions:
     dpara_ring: str = "logits"
 
     def __post_init__(self):
+        for name in _PER_REQUEST:
+            object.__setattr__(self, name, _per_request(getattr(self, name)))
         if not is_int(self.d) or not 1 <= self.d <= ops.MAX_DRAFT:
             raise ValueError(f"d = {self.d!r}; expected an int in 1..{ops.MAX_DRAFT}")
-        if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature = {self.temperature!r}; expected a finite number >= 0 (0 means greedy)")
-        check_sampling(self.temperature, self.top_p)
-        if not is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT:
-            raise ValueError(f"seed = {self.seed!r}; expected an int in [0, 2**63)")
+        for name in _PER_REQUEST:
+            if getattr(self, name) == ():
+                raise ValueError(f"{name} = (); expected a value, or one value per prompt")
+        check_sampling(self.temperature, self.top_p, self.top_k)
+        seeds = self.seed if isinstance(self.seed, tuple) else (self.seed,)
+        for i, seed in enumerate(seeds):
+            if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
+                name = f"seed[{i}]" if isinstance(self.seed, tuple) else "seed"
+                raise ValueError(f"{name} = {seed!r}; expected an int in [0, 2**63)")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
         if self.psd_policy not in PSD_POLICIES:
@@ -73,7 +100,26 @@ class DecodeOptions:
 
     @property
     def sampling(self) -> bool:
-        return self.temperature > 0
+        """Whether any request samples (the others are greedy rows of a sampled batch)."""
+        temps = self.temperature if isinstance(self.temperature, tuple) else (self.temperature,)
+        return any(t > 0 for t in temps)
+
+    @property
+    def per_request_seeds(self) -> bool:
+        return isinstance(self.seed, tuple)
+
+    def check_batch(self, batch: int) -> None:
+        """ValueError unless every per-request option has one value per prompt."""
+        for name in _PER_REQUEST:
+            value = getattr(self, name)
+            if isinstance(value, tuple) and len(value) != batch:
+                raise ValueError(f"{name} has {len(value)} values for {batch} prompts; expected one per prompt "
+                                 "(or a single value for all)")
+
+    def per_row(self, name: str, batch: int) -> list:
+        """Option `name` as one value per row."""
+        value = getattr(self, name)
+        return list(value) if isinstance(value, tuple) else [value] * batch
 
 
 @dataclass(frozen=True)
@@ -149,15 +195,25 @@ class Decoder:
     boundary ring, the staging buffers and the C++ round state, all built here for this batch."""
 
     def __init__(self, target: Target, drafter, lanes: tuple[Lane, Lane], opts: DecodeOptions,
-                 prompts: list[list[int]], needs_drafter: bool, ring_capacity: int = 2):
+                 prompts: list[list[int]], needs_drafter: bool, ring_capacity: int = 2,
+                 markov: bool = True):
         self.target, self.opts, self.prompts = target, opts, prompts
         self.drafter = drafter if needs_drafter else None
         self.target_lane, self.drafter_lane = lanes
         self.d = opts.d if needs_drafter else 1
         B = len(prompts)
+        opts.check_batch(B)
         self.chain = Chain(lanes, _core.Metrics(self.d))
         self.state = _core.RoundState(B, self.d, opts.max_new_tokens, list(opts.eos_ids), target.max_len)
-        self.generator = make_generator(opts.seed)
+        # One torch.Generator for the batch (a scalar seed), or one per request (per-request seeds): then a
+        # request's uniforms come from its own stream, the very ones it would draw decoding alone.
+        self.generator = ([make_generator(s) for s in opts.seed] if opts.per_request_seeds
+                          else make_generator(opts.seed))
+        temps = opts.per_row("temperature", B)
+        # The Markov head takes one temperature and one seed: per-request ones run it once per row (greedy
+        # drafts use no randomness, so an all-greedy batch keeps the batched call).
+        self._head_per_row = opts.sampling and (opts.per_request_seeds or len(set(temps)) > 1)
+        self._head_temps = temps
         self._markov_calls = 0
         self.warned_non_finite = False
         self.staging = self.cache = self.ring = None
@@ -165,7 +221,7 @@ class Decoder:
         self._markov_weights: tuple[Tensor, Tensor] | None = None
         if needs_drafter:
             dev = drafter.device
-            feature_bytes = B * (self.d + 1) * target.feature_dim * target.model.dtype.itemsize
+            feature_bytes = B * (self.d + 1) * target.feature_dim * target.dtype.itemsize
             self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index)
             self.cache = drafter.new_context_cache(B, target.max_len)
             # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
@@ -174,7 +230,7 @@ class Decoder:
             self.ring = _core.BoundaryRing(ring_capacity, B, self.d, row,
                                            str(drafter.dtype).removeprefix("torch."), self.drafter_lane.device_index)
             # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
-            self._markov_weights = tuple(w.detach().float().to(dev).contiguous() for w in drafter.markov_parameters)
+            self._markov_weights = tuple(w.to(dev) for w in drafter.markov_factors(markov))
         # Torch views of the core's memory, made once: a DLPack round trip per use costs more than the head.
         self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
                         for region in ("rb", "draft", "features") for phase in (0, 1)} if needs_drafter else {}
@@ -235,12 +291,32 @@ class Decoder:
         return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event())
 
     def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus: (draft [B, n], q)."""
+        """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus: (draft [B, n], q).
+
+        One batched head call when the batch shares one temperature and one seed. Otherwise (per-request
+        temperatures or seeds) the head runs once per row with that row's temperature: with per-request seeds
+        under the row's seed at the call's offset (what the request alone would draw), with one seed at offset
+        calls + (b << 40) (a stream of its own per row). A greedy row of a sampled batch gets q one-hot at its
+        draft token, which verification against its one-hot p accepts exactly when AR greedy would."""
         w1, w2 = self._markov_weights
         dev = boundary.device
         self._markov_calls += 1  # each call draws fresh Gumbel noise
-        return ops.markov_head(boundary, r.to(dev), bonus.to(dev), w1, w2, self.opts.temperature, self.opts.seed,
-                               self._markov_calls)
+        r, bonus = r.to(dev), bonus.to(dev)
+        opts = self.opts
+        if not self._head_per_row:
+            return ops.markov_head(boundary, r, bonus, w1, w2, self._head_temps[0], opts.seed, self._markov_calls)
+        drafts, qs = [], []
+        for b, temp in enumerate(self._head_temps):
+            if opts.per_request_seeds:
+                seed, offset = opts.seed[b], self._markov_calls
+            else:
+                seed, offset = opts.seed, self._markov_calls + (b << _ROW_STREAM_SHIFT)
+            draft, q = ops.markov_head(boundary[b:b + 1], r[b:b + 1], bonus[b:b + 1], w1, w2, temp, seed, offset)
+            if q is None and opts.sampling:
+                q = torch.nn.functional.one_hot(draft, boundary.shape[-1]).float()
+            drafts.append(draft)
+            qs.append(q)
+        return torch.cat(drafts), (torch.cat(qs) if opts.sampling else None)
 
     def draft_serial(self, prev: Outcome, n: int | None = None, with_logits: bool = False):
         """DSpark drafting of n (default d) tokens after `prev`: backbone with the bonus as anchor, then the
@@ -276,7 +352,8 @@ class Decoder:
 
     # ------------------------------------------------------------------ verification
     def pick(self, logits: Tensor) -> Tensor:
-        return sample(logits, self.opts.temperature, self.opts.top_p, self.generator).cpu()
+        o = self.opts
+        return sample(logits, o.temperature, o.top_p, self.generator, o.top_k).cpu()
 
     def verify(self, draft: Draft) -> Verified:
         """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
@@ -298,10 +375,13 @@ class Decoder:
             return Verified(block, feats, r=torch.zeros_like(tok), bonus=tok)
         if not self.opts.sampling:
             return Verified(block, feats, argmax=logits.argmax(-1).cpu())
-        p = probs(logits, self.opts.temperature, self.opts.top_p)
+        # p is the truncated distribution AR draws from (temperature, top-k, top-p: sampling.probs), on every
+        # ops backend; q stays the drafter's own, untruncated (tokens outside p's support are always rejected).
+        o = self.opts
+        p = probs(logits, o.temperature, o.top_p, o.top_k)
         B, d = block.shape[0], block.shape[1] - 1
-        u_accept = torch.rand(B, d, generator=self.generator).to(p.device)
-        u_bonus = torch.rand(B, generator=self.generator).to(p.device)
+        u_accept = uniforms(self.generator, B, d).to(p.device)
+        u_bonus = uniforms(self.generator, B).to(p.device)
         q = draft.q.to(p.device)
         finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
         damaged = not bool(finite.all())

@@ -7,11 +7,8 @@ the accepted tokens' features or is cropped on rollback, so the context is never
 """
 from __future__ import annotations
 
-import copy
-import json
-import os
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from functools import lru_cache
 from typing import Callable, Sequence
 
@@ -25,9 +22,6 @@ from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_fr
 from dpara_rt.ops import MAX_DRAFT, tree_attention
 
 MASK_ID = -1
-CONFIG_NAME = "drafter_config.json"
-WEIGHTS_NAME = "drafter.safetensors"
-_FORMAT = "dpara_rt.drafter"
 
 
 class DrafterWarning(UserWarning):
@@ -61,7 +55,9 @@ class DrafterConfig:
     rope_theta: float
     vocab_size: int
     block_size: int
-    markov_rank: int
+    markov_rank: int            # 0: no Markov head (a DFlash drafter); drafts are the backbone's own tokens
+    mask_token_id: int | None = None  # mask rows embed this target token (DSpark, DFlash); None: a learned row
+    draft_rows: str = "anchor"  # "anchor": d rows from the anchor (DSpark); "mask": the d rows after it (DFlash)
 
     def __post_init__(self):
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
@@ -71,11 +67,18 @@ class DrafterConfig:
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
             raise ValueError(f"layer_ids={self.layer_ids}: expected distinct non-negative target layer indices")
         for name in ("target_hidden_size", "hidden_size", "num_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "block_size",
-                     "markov_rank"):
+                     "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if not is_int(self.markov_rank) or self.markov_rank < 0:
+            raise ValueError(f"markov_rank={self.markov_rank!r}: expected an integer >= 0 (0: no Markov head)")
+        if self.mask_token_id is not None and not (is_int(self.mask_token_id)
+                                                   and 0 <= self.mask_token_id < self.vocab_size):
+            raise ValueError(f"mask_token_id={self.mask_token_id!r}: expected None or a token id in "
+                             f"[0, vocab_size={self.vocab_size})")
+        if self.draft_rows not in ("anchor", "mask"):
+            raise ValueError(f"draft_rows={self.draft_rows!r}: expected 'anchor' (DSpark) or 'mask' (DFlash)")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
@@ -88,13 +91,19 @@ class DrafterConfig:
     def feature_size(self) -> int:
         return len(self.layer_ids) * self.target_hidden_size
 
+    @property
+    def lead(self) -> int:
+        """Rows a block holds before its first draft row: 1 under the DFlash convention (the anchor itself)."""
+        return 1 if self.draft_rows == "mask" else 0
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
         names = {f.name for f in fields(cls)}
-        unknown, missing = sorted(set(d) - names), sorted(names - set(d))
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        unknown, missing = sorted(set(d) - names), sorted(required - set(d))
         if unknown or missing:
             raise ValueError(f"drafter config: unknown keys {unknown}, missing keys {missing}")
         return cls(**d)
@@ -219,7 +228,10 @@ class Drafter(nn.Module):
         self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
+        if c.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
+        else:  # the mask row is the target's embedding of mask_token_id: nothing of the drafter's own
+            self.register_parameter("mask_embedding", None)
         self.w1 = nn.Parameter(torch.empty(c.vocab_size, c.markov_rank))
         self.w2 = nn.Parameter(torch.empty(c.markov_rank, c.vocab_size))
         # RoPE frequencies stay fp32 whatever the weights' dtype; one copy per device
@@ -235,7 +247,8 @@ class Drafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
         with torch.no_grad():
-            self.mask_embedding.normal_(std=float(self.embed_tokens.weight.float().std()))
+            if self.mask_embedding is not None:
+                self.mask_embedding.normal_(std=float(self.embed_tokens.weight.float().std()))
             nn.init.normal_(self.w1, std=0.02)
             nn.init.zeros_(self.w2)  # the Markov bias starts at zero: plain backbone logits
 
@@ -250,6 +263,14 @@ class Drafter(nn.Module):
     @property
     def markov_parameters(self) -> tuple[nn.Parameter, nn.Parameter]:
         return self.w1, self.w2
+
+    def markov_factors(self, enabled: bool = True) -> tuple[Tensor, Tensor]:
+        """(W1, W2) in fp32 for the Markov head kernels, which need rank >= 1: without a head (rank 0, or
+        ``enabled=False`` for plain DFlash drafting) a zero rank-1 pair, i.e. no bias."""
+        if enabled and self.config.markov_rank:
+            return tuple(w.detach().float().contiguous() for w in self.markov_parameters)
+        v = self.config.vocab_size
+        return (torch.zeros(v, 1, device=self.device), torch.zeros(1, v, device=self.device))
 
     # ------------------------------------------------------------ building blocks
     @property
@@ -267,8 +288,11 @@ class Drafter(nn.Module):
         return rope_cos_sin(positions.to(dev), self._inv_freq[dev], self.dtype)
 
     def embed_rows(self, tokens: Tensor) -> Tensor:
-        """Embed row tokens [B, Q]; ``MASK_ID`` rows get the learned mask embedding."""
-        e = F.embedding(tokens.clamp(min=0), self.embed_tokens.weight.detach()).to(self.dtype)
+        """Embed row tokens [B, Q]; ``MASK_ID`` rows get the mask embedding (learned, or mask_token_id's)."""
+        w = self.embed_tokens.weight.detach()
+        if self.mask_embedding is None:
+            return F.embedding(tokens.masked_fill(tokens == MASK_ID, self.config.mask_token_id), w).to(self.dtype)
+        e = F.embedding(tokens.clamp(min=0), w).to(self.dtype)
         return torch.where((tokens == MASK_ID)[..., None], self.mask_embedding, e)
 
     def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
@@ -364,8 +388,10 @@ class Drafter(nn.Module):
 
     # ------------------------------------------------------------ the two layouts
     def _check_d(self, d: int, untrained_ok: bool = False) -> None:
-        if not 1 <= d <= MAX_DRAFT:  # unsafe: the kernels (tree attention, Markov head) stop at MAX_DRAFT
-            raise ValueError(f"draft length d={d}: expected 1 <= d <= {MAX_DRAFT} (the kernels' limit)")
+        lead = self.config.lead
+        if not 1 <= d <= MAX_DRAFT - lead:  # unsafe: the kernels (tree attention, Markov head) stop at MAX_DRAFT
+            raise ValueError(f"draft length d={d}: expected 1 <= d <= {MAX_DRAFT - lead} (the kernels' limit of "
+                             f"{MAX_DRAFT} rows a block{', less the anchor row' if lead else ''})")
         if d > self.config.block_size and not untrained_ok and d not in self._warned_d:
             self._warned_d.add(d)
             warnings.warn(f"draft length d={d} exceeds block_size={self.config.block_size} the drafter was "
@@ -386,7 +412,8 @@ class Drafter(nn.Module):
     def block_logits(self, cache: ContextCache, anchor: Tensor, d: int, prefix: Tensor | None = None,
                      mask_anchor: bool = False, prefix_seen: Tensor | None = None,
                      untrained_ok: bool = False) -> Tensor:
-        """Layout (a): [anchor, MASK x (d-1)] at positions lengths[b].. -> d logits [B, d, V].
+        """Layout (a): [anchor, MASK x (d-1)] at positions lengths[b].. -> d logits [B, d, V]. Under the DFlash
+        convention (draft_rows "mask") the block is [anchor, MASK x d] and the logits are the mask rows'.
 
         ``prefix`` [B, P] puts P feature-less tokens (causal) before the anchor; the block sees the first
         ``prefix_seen[b]`` of them (default all) and stands right after them (a ragged prefix: PSD's guess
@@ -400,9 +427,9 @@ class Drafter(nn.Module):
         prefix = anchor[:, :0] if prefix is None else self._rows_tokens(prefix, b, "prefix")
         if mask_anchor:
             anchor = torch.full_like(anchor, MASK_ID)
-        p = prefix.shape[1]
-        tokens = torch.cat([prefix, anchor, torch.full((b, d - 1), MASK_ID, device=anchor.device)], dim=1)
-        offsets, visible = serial_layout(d, p)
+        p, lead = prefix.shape[1], self.config.lead
+        tokens = torch.cat([prefix, anchor, torch.full((b, d - 1 + lead), MASK_ID, device=anchor.device)], dim=1)
+        offsets, visible = serial_layout(d + lead, p)
         positions = cache.lengths[:, None] + offsets
         visible = visible[None]
         if prefix_seen is not None:
@@ -415,9 +442,9 @@ class Drafter(nn.Module):
         ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
         lc = ctx_kv[0][0].shape[2]
         dev = anchor.device
-        ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, p + d, lc)
+        ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, tokens.shape[1], lc)
         attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
-        return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend)[:, p:])
+        return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend)[:, p + lead:])
 
     @torch.inference_mode()
     def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
@@ -425,7 +452,10 @@ class Drafter(nn.Module):
         """Layout (b): spine s_0..s_d at positions lengths[b]..; branch r = d MASK rows at lengths[b]+r+1..;
         one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given).
         ``project=False`` stops before the output head: the branches' final hidden states [B, d+1, d, H], of
-        which a caller projects only the branch it needs."""
+        which a caller projects only the branch it needs.
+
+        Under the DFlash convention a branch is d+1 rows (its bonus slot, then the d draft rows), so the tree is
+        built for width w = d+1 with one spine entry past s_d; only the unused branch w sees that entry."""
         b = cache.batch
         spine = self._rows_tokens(spine, b, "spine")
         d = spine.shape[1] - 1
@@ -434,17 +464,23 @@ class Drafter(nn.Module):
         if out is not None and tuple(out.shape) != shape:
             raise ValueError(f"out has shape {tuple(out.shape)}; boundary {'logits' if project else 'hidden states'} "
                              f"for d={d} need {shape}")
-        offsets, _ = tree_layout(d)
+        lead = self.config.lead
+        w = d + lead
+        if lead:
+            spine = torch.cat([spine, spine[:, -1:]], dim=1)
+        offsets, _ = tree_layout(w)
         dev = spine.device
-        tokens = torch.cat([spine, torch.full((b, (d + 1) * d), MASK_ID, device=dev)], dim=1)
+        tokens = torch.cat([spine, torch.full((b, (w + 1) * w), MASK_ID, device=dev)], dim=1)
         positions = (cache.lengths[:, None] + offsets).to(dev)
         ctx_lens = cache.lengths.to(dev)
 
         def attend(q, k_ctx, v_ctx, k_tree, v_tree):
-            return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d, self.scale)
+            return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale)
 
         ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
-        h = self.backbone(tokens, positions, ctx_kv, attend)[:, d + 1:]
+        h = self.backbone(tokens, positions, ctx_kv, attend)[:, w + 1:]
+        if lead:  # branches 0..d, their draft rows
+            h = h.view(b, w + 1, w, -1)[:, :d + 1, lead:].reshape(b, (d + 1) * d, -1)
         if not project:
             return h.reshape(shape) if out is None else out.copy_(h.view(shape))
         if out is None:
@@ -456,97 +492,5 @@ class Drafter(nn.Module):
         return out
 
 
-# ---------------------------------------------------------------- save / load
-def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
-    """Write ``drafter_config.json`` + ``drafter.safetensors`` (shared embed/lm_head excluded) into ``path``."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump({"format": _FORMAT, "version": 1, "config": drafter.config.to_dict()}, f, indent=2)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": _FORMAT})
-
-
-def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
-    file = os.path.join(path, CONFIG_NAME)
-    try:
-        with open(file) as f:
-            blob = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"no drafter checkpoint at {path}: expected {CONFIG_NAME} and {WEIGHTS_NAME}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"corrupt drafter config {file}: {e}") from None
-    if not isinstance(blob, dict) or blob.get("format") != _FORMAT or not isinstance(blob.get("config"), dict):
-        raise ValueError(f"{file} is not a dpara_rt drafter config (expected format '{_FORMAT}')")
-    try:
-        return DrafterConfig.from_dict(blob["config"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"bad drafter config {file}: {e}") from None
-
-
-def check_target_compatible(config: DrafterConfig, target_model: nn.Module) -> None:
-    """Refuse a target whose vocab size, hidden size or depth does not fit the drafter (names both values)."""
-    tc = target_model.config
-    if tc.vocab_size != config.vocab_size:
-        raise ValueError(f"vocab size mismatch: drafter vocab_size={config.vocab_size}, "
-                         f"target vocab_size={tc.vocab_size}")
-    if tc.hidden_size != config.target_hidden_size or tc.hidden_size != config.hidden_size:
-        raise ValueError(f"hidden size mismatch: drafter target_hidden_size={config.target_hidden_size} / "
-                         f"hidden_size={config.hidden_size}, target hidden_size={tc.hidden_size}")
-    bad = [i for i in config.layer_ids if i >= tc.num_hidden_layers]
-    if bad:
-        raise ValueError(f"drafter layer_ids {config.layer_ids} include {bad}, beyond the target's "
-                         f"num_hidden_layers={tc.num_hidden_layers} (valid ids: 0..{tc.num_hidden_layers - 1})")
-
-
-def _shared_on(module: nn.Module, device, dtype) -> nn.Module:
-    w = module.weight
-    if (device is None or torch.device(device) == w.device) and (dtype is None or dtype == w.dtype):
-        return module
-    return copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
-
-
-def load_drafter(path: str | os.PathLike, target_model: nn.Module, device=None, dtype=None) -> Drafter:
-    """Load a drafter for ``target_model`` (shares its embed_tokens / lm_head; copies them only when
-    ``device``/``dtype`` differ from the target's)."""
-    config = read_drafter_config(path)
-    check_target_compatible(config, target_model)
-    drafter = Drafter(config, _shared_on(target_model.embed_tokens, device, dtype),
-                      _shared_on(target_model.lm_head, device, dtype))
-    load_drafter_weights(drafter, path)
-    return drafter
-
-
-def load_drafter_weights(drafter: Drafter, path: str | os.PathLike) -> None:
-    """Load a checkpoint's weights into an existing drafter of the same config (training resume)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    config = read_drafter_config(path)
-    if config != drafter.config:
-        raise ValueError(f"drafter checkpoint {path} has config {config.to_dict()}, "
-                         f"the drafter has {drafter.config.to_dict()}")
-    file = os.path.join(path, WEIGHTS_NAME)
-    try:
-        state = load_file(file)
-    except FileNotFoundError:
-        raise ValueError(f"drafter checkpoint {path} has a config but no {WEIGHTS_NAME}") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"corrupt drafter weights {file}: {e}") from None
-    expected = drafter.state_dict()
-    missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unknown:
-        raise ValueError(f"corrupt drafter weights {file}: missing tensors {missing}, unexpected tensors {unknown}")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(f"corrupt drafter weights {file}: {name} has shape {tuple(t.shape)}, "
-                             f"the config implies {tuple(expected[name].shape)}")
-        if not torch.isfinite(t.float()).all():
-            raise ValueError(f"corrupt drafter weights {file}: {name} holds non-finite values")
-    drafter.load_state_dict(state)
-
-
-__all__ = ["MASK_ID", "ContextCache", "Drafter", "DrafterConfig", "DrafterWarning", "check_target_compatible",
-           "default_layer_ids", "dense_attend", "load_drafter", "load_drafter_weights", "read_drafter_config",
-           "save_drafter", "serial_layout", "tree_layout"]
+__all__ = ["MASK_ID", "ContextCache", "Drafter", "DrafterConfig", "DrafterWarning", "default_layer_ids",
+           "dense_attend", "serial_layout", "tree_layout"]

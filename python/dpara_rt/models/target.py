@@ -1,4 +1,9 @@
-"""The speculation-facing target: ragged prefill, multi-token verify at ragged positions, commit/rollback."""
+"""The speculation-facing target: ragged prefill, multi-token verify at ragged positions, commit/rollback.
+
+``TargetBase`` holds what every target shares (argument checks, the commit bookkeeping's rules, the feature
+width); ``Target`` runs the native model over a preallocated KV cache, ``dpara_rt.models.hf_target.HFTarget``
+runs any transformers causal LM.
+"""
 from __future__ import annotations
 
 from typing import Sequence
@@ -10,17 +15,24 @@ from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
 
 
-class Target:
-    def __init__(self, model: Qwen3ForCausalLM, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
-        n_layers = model.config.num_hidden_layers
+class TargetBase:
+    """The interface the engine and the methods use, with the checks every implementation shares.
+
+    A subclass sets ``model`` (with ``.config``, ``.dtype``, ``.device``), ``layer_ids``, ``batch`` (rows in use
+    since the last start()) and ``_last_t`` (T of the last verify: the most a commit may keep), and provides
+    max_len, max_batch, lengths, start, verify, commit and reserve."""
+
+    model = None
+    layer_ids: list[int]
+    batch = 0
+    _last_t = 0
+
+    @staticmethod
+    def _layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:
         bad = [i for i in layer_ids if not 0 <= int(i) < n_layers]
         if bad:
             raise ValueError(f"layer_ids {list(layer_ids)} contain {bad}; expected indices in [0, {n_layers})")
-        self.model = model
-        self.layer_ids = [int(i) for i in layer_ids]
-        self.cache = KVCache.for_model(model.config, max_batch, max_len, model.dtype, model.device)
-        self.batch = 0          # rows in use since the last start()
-        self._last_t = 0        # T of the last verify: the most a commit may keep
+        return [int(i) for i in layer_ids]
 
     @property
     def config(self):
@@ -31,26 +43,12 @@ class Target:
         return self.model.device
 
     @property
-    def max_len(self) -> int:
-        return self.cache.max_len
-
-    @property
-    def max_batch(self) -> int:
-        return self.cache.batch
-
-    def reserve(self, max_len: int) -> None:
-        """Grow the KV cache to hold `max_len` tokens per row (no-op when it already does)."""
-        if max_len > self.cache.max_len:
-            self.cache = KVCache.for_model(self.config, self.max_batch, max_len, self.model.dtype, self.device)
-            self.batch, self._last_t = 0, 0
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     @property
     def feature_dim(self) -> int:
         return len(self.layer_ids) * self.config.hidden_size
-
-    @property
-    def lengths(self) -> Tensor:
-        return self.cache.lengths[: self.batch].clone()
 
     def check_prompts(self, prompts: list[list[int]]) -> list[int]:
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -67,6 +65,63 @@ class Target:
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {V})")
         return [len(p) for p in prompts]
+
+    def _check_verify(self, tokens, lengths: Tensor) -> Tensor:
+        """Checked verify tokens [batch, T] (long); `lengths` are the rows' committed lengths."""
+        if self.batch == 0:
+            raise RuntimeError("verify before start(): no requests are loaded")
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 2 or tokens.shape[0] != self.batch or tokens.shape[1] == 0:
+            raise ValueError(f"verify tokens shape {tuple(tokens.shape)}; expected [{self.batch}, T >= 1]")
+        if tokens.dtype != torch.long:
+            raise ValueError(f"verify tokens dtype {tokens.dtype}; expected torch.long token ids")
+        T = tokens.shape[1]
+        over = (lengths + T > self.max_len).nonzero().flatten().tolist()
+        if over:
+            r = over[0]
+            raise ValueError(f"row {r}: length {int(lengths[r])} + {T} verify tokens exceeds max_len {self.max_len}")
+        return tokens
+
+    def _check_commit(self, n) -> Tensor:
+        """Checked commit counts [batch] (long, on the host)."""
+        n = torch.as_tensor(n, dtype=torch.long).cpu()
+        if n.shape != (self.batch,):
+            raise ValueError(f"commit counts shape {tuple(n.shape)}; expected [{self.batch}]")
+        bad = ((n < 0) | (n > self._last_t)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"commit counts {n.tolist()}: rows {bad} outside [0, {self._last_t}] "
+                             "(the T of the last verify not yet committed)")
+        return n
+
+    def _no_features(self, B: int, T: int) -> Tensor:
+        return torch.zeros(B, T, 0, dtype=self.dtype, device=self.device)
+
+
+class Target(TargetBase):
+    def __init__(self, model: Qwen3ForCausalLM, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
+        self.layer_ids = self._layer_ids(layer_ids, model.config.num_hidden_layers)
+        self.model = model
+        self.cache = KVCache.for_model(model.config, max_batch, max_len, model.dtype, model.device)
+        self.batch = 0          # rows in use since the last start()
+        self._last_t = 0        # T of the last verify: the most a commit may keep
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def max_batch(self) -> int:
+        return self.cache.batch
+
+    def reserve(self, max_len: int) -> None:
+        """Grow the KV cache to hold `max_len` tokens per row (no-op when it already does)."""
+        if max_len > self.cache.max_len:
+            self.cache = KVCache.for_model(self.config, self.max_batch, max_len, self.model.dtype, self.device)
+            self.batch, self._last_t = 0, 0
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.cache.lengths[: self.batch].clone()
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
@@ -94,20 +149,10 @@ class Target:
     def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Run tokens [B, T] of each row at positions lengths[b]..lengths[b]+T-1 (lengths unchanged).
         Returns (logits [B, T, V] fp32, features [B, T, F])."""
-        if self.batch == 0:
-            raise RuntimeError("verify before start(): no requests are loaded")
-        tokens = torch.as_tensor(tokens)
-        if tokens.dim() != 2 or tokens.shape[0] != self.batch or tokens.shape[1] == 0:
-            raise ValueError(f"verify tokens shape {tuple(tokens.shape)}; expected [{self.batch}, T >= 1]")
-        if tokens.dtype != torch.long:
-            raise ValueError(f"verify tokens dtype {tokens.dtype}; expected torch.long token ids")
+        tokens = self._check_verify(tokens, self.cache.lengths[: self.batch])
         B, T = tokens.shape
         lengths = self.cache.lengths[:B]
         end = lengths + T
-        over = (end > self.max_len).nonzero().flatten().tolist()
-        if over:
-            r = over[0]
-            raise ValueError(f"row {r}: length {int(lengths[r])} + {T} verify tokens exceeds max_len {self.max_len}")
         positions = (lengths[:, None] + torch.arange(T)).to(self.device)
         logits, feats = self.model(tokens.to(self.device), positions, self.cache, self.layer_ids,
                                    kv_len=int(end.max()))
@@ -116,17 +161,11 @@ class Target:
 
     def commit(self, n: Tensor):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
-        n = torch.as_tensor(n, dtype=torch.long).cpu()
-        if n.shape != (self.batch,):
-            raise ValueError(f"commit counts shape {tuple(n.shape)}; expected [{self.batch}]")
-        bad = ((n < 0) | (n > self._last_t)).nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"commit counts {n.tolist()}: rows {bad} outside [0, {self._last_t}] "
-                             "(the T of the last verify not yet committed)")
+        n = self._check_commit(n)
         self.cache.lengths[: self.batch] += n
         self._last_t = 0
 
     def _features(self, feats: Tensor | None, B: int, T: int) -> Tensor:
         if feats is None:
-            return torch.zeros(B, T, 0, dtype=self.model.dtype, device=self.device)
+            return self._no_features(B, T)
         return feats

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from dpara_rt.models.drafter import Drafter, load_drafter_weights, save_drafter
+from dpara_rt.models.drafter import Drafter
+from dpara_rt.models.drafter_io import load_drafter_weights, save_drafter
 from dpara_rt.train.data import TrainData
 from dpara_rt.train.evaluate import estimate_tau
 from dpara_rt.train.objectives import Layout, anchor_range, dspark_layout, layout_loss, mdflash_layout, sample_anchors

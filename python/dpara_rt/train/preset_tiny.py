@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from dpara_rt.assets import MANIFEST_FORMAT, MANIFEST_NAME, TINY_DIR, describe_files, load_tiny
-from dpara_rt.models.drafter import Drafter, DrafterConfig, load_drafter_weights, save_drafter
+from dpara_rt.models.drafter import Drafter, DrafterConfig
+from dpara_rt.models.drafter_io import load_drafter_weights, save_drafter
 from dpara_rt.models.loader import load_qwen3, save_qwen3
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from dpara_rt.train.data import TrainData, build_train_data

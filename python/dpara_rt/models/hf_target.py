@@ -1,0 +1,311 @@
+"""Any transformers causal LM as the target: Llama, Qwen2, Mistral, Qwen3-MoE, ... through `AutoModelForCausalLM`.
+
+``HFCausalLM`` wraps a transformers model and exposes what the rest of dpara_rt reads from a target model (a
+config with the fields the drafter and the engine use, dtype, device, the shared ``embed_tokens`` / ``lm_head``).
+``HFTarget`` has the interface and the semantics of ``Target``: ragged prefill, verify of T tokens per row at
+positions lengths[b].., commit that keeps a prefix of the verified block and rolls the rest back by cropping the
+transformers cache. Features are transformers' ``hidden_states[i + 1]`` for each layer id i (the last layer's is
+after the final norm), as the native model computes them.
+
+Rows have ragged lengths, so each row owns a ``DynamicCache`` and the rows of a batch run one after another
+(batch 1 is the main case; a batched path would need per-row cache cropping).
+
+``load_target`` picks the native Qwen3 (the fast path) for Qwen3 checkpoints and this adapter for the others;
+``make_target`` builds the matching speculation-facing target.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dpara_rt.models.loader import CheckpointError, _generation_eos, load_qwen3, resolve_device, resolve_dtype
+from dpara_rt.models.qwen3 import MODEL_TYPE as QWEN3, Qwen3Config
+from dpara_rt.models.target import Target, TargetBase
+
+DEFAULT_MAX_POSITIONS = 4096  # when a config names no max_position_embeddings
+
+
+@dataclass
+class HFTargetConfig:
+    """The fields of a transformers config that dpara_rt reads (DrafterConfig.for_target, the engine, checks)."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
+    tie_word_embeddings: bool = False
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, config, vocab_size: int, extra_eos: Sequence[int] = ()) -> "HFTargetConfig":
+        """From a transformers PretrainedConfig (its text config for multimodal models); `vocab_size` is the
+        width of the model's logits, `extra_eos` the generation config's stop ids."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")
+                   if not isinstance(getattr(c, k, None), int)]
+        if missing:
+            raise ValueError(f"transformers config {type(c).__name__} lacks integer {missing}; expected a decoder-only "
+                             "causal LM config")
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        theta = theta or getattr(c, "rope_theta", None) or 10000.0
+        inter = (getattr(c, "intermediate_size", None) or getattr(c, "moe_intermediate_size", None)
+                 or 4 * c.hidden_size)
+        eos = [*_ids(c.eos_token_id if hasattr(c, "eos_token_id") else None), *extra_eos]
+        return cls(model_type=str(getattr(c, "model_type", "")), vocab_size=int(vocab_size),
+                   hidden_size=c.hidden_size, intermediate_size=int(inter), num_hidden_layers=c.num_hidden_layers,
+                   num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_eps", None) or 1e-6),
+                   rope_theta=float(theta),
+                   max_position_embeddings=getattr(c, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS,
+                   tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                   eos_token_id=sorted({int(e) for e in eos if 0 <= int(e) < vocab_size}))
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM seen as a dpara_rt target model. ``hf`` is the wrapped model."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        for name in ("get_input_embeddings", "get_output_embeddings"):
+            if not callable(getattr(hf_model, name, None)):
+                raise ValueError(f"{type(hf_model).__name__} has no {name}(); expected a transformers "
+                                 "AutoModelForCausalLM model")
+        self.hf = hf_model
+        embed, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+        if not isinstance(embed, nn.Embedding):
+            raise ValueError(f"{type(hf_model).__name__}'s input embeddings are a {type(embed).__name__}; expected "
+                             "an nn.Embedding (shared with the drafter)")
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"{type(hf_model).__name__}'s output embeddings are a {type(head).__name__}; expected "
+                             "an nn.Linear lm_head (shared with the drafter)")
+        gen = getattr(hf_model, "generation_config", None)
+        self.config = HFTargetConfig.from_hf(hf_model.config, head.out_features,
+                                             _ids(getattr(gen, "eos_token_id", None)))
+        params = inspect.signature(hf_model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
+        self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.hf.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The output projection; with tied embeddings its weight is the embedding's."""
+        return self.hf.get_output_embeddings()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self):
+        """An empty cache for one row, able to roll back (sliding-window layers keep what a rollback needs)."""
+        from transformers import DynamicCache
+        try:
+            cache = DynamicCache(config=self.hf.config)
+        except TypeError:  # older transformers: no per-layer types
+            cache = DynamicCache()
+        for layer in getattr(cache, "layers", ()):
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        return cache
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cache, layer_ids: Sequence[int] = (),
+                logits_to_keep: int = 0) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, T', V] fp32 (T' = logits_to_keep last positions, or all when 0) and the features
+        [B, T, len(layer_ids) * H] (None without layer ids). The new K/V are appended to `cache`."""
+        kw = {self._cache_kw: cache}
+        if self._keep_kw:
+            kw[self._keep_kw] = logits_to_keep
+        out = self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                      output_hidden_states=bool(layer_ids), **kw)
+        feats = None
+        if layer_ids:
+            hs = out.hidden_states
+            feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+        logits = out.logits if self._keep_kw or not logits_to_keep else out.logits[:, -logits_to_keep:]
+        return logits.float(), feats
+
+
+class HFTarget(TargetBase):
+    """``Target``'s interface over an ``HFCausalLM``: one transformers cache per row, cropped on rollback."""
+
+    def __init__(self, model: HFCausalLM, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
+        for name, value in (("max_batch", max_batch), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"HFTarget {name} = {value!r}; expected a positive integer")
+        self.layer_ids = self._layer_ids(layer_ids, model.config.num_hidden_layers)
+        self.model = model
+        self._max_batch, self._max_len = max_batch, max_len
+        self.caches: list = []
+        self._lengths = torch.zeros(max_batch, dtype=torch.long)  # committed tokens per row (host side)
+        self.batch = 0
+        self._last_t = 0
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    def reserve(self, max_len: int) -> None:
+        """Allow `max_len` tokens per row (the caches grow as needed; what they hold is kept)."""
+        self._max_len = max(self._max_len, int(max_len))
+
+    @property
+    def lengths(self) -> Tensor:
+        return self._lengths[: self.batch].clone()
+
+    @torch.no_grad()
+    def start(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Prefill and commit ragged prompts (checked by check_prompts). Returns (last_logits [B, V],
+        features [B, Tmax, F], prompt_lens [B]); features past a prompt's end are zeros."""
+        lens = [len(p) for p in prompts]
+        B, Tmax = len(prompts), max(lens)
+        dev = self.device
+        self.batch, self._last_t, self.caches = 0, 0, []
+        logits = []
+        feats = torch.zeros(B, Tmax, self.feature_dim, dtype=self.dtype, device=dev)
+        for b, p in enumerate(prompts):
+            cache = self.model.new_cache()
+            ids = torch.as_tensor(p, dtype=torch.long, device=dev)[None]
+            z, f = self.model(ids, torch.arange(len(p), device=dev)[None], cache, self.layer_ids, logits_to_keep=1)
+            cache.crop(0)  # sliding-window layers drop what no later query can see
+            self.caches.append(cache)
+            logits.append(z[0, -1])
+            if f is not None:
+                feats[b, : len(p)] = f[0]
+        prompt_lens = torch.tensor(lens, dtype=torch.long)
+        self._lengths.zero_()
+        self._lengths[:B] = prompt_lens
+        self.batch = B
+        return torch.stack(logits), feats, prompt_lens
+
+    @torch.no_grad()
+    def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Run tokens [B, T] of each row at positions lengths[b]..lengths[b]+T-1 (lengths unchanged).
+        Returns (logits [B, T, V] fp32, features [B, T, F])."""
+        tokens = self._check_verify(tokens, self._lengths[: self.batch])
+        B, T = tokens.shape
+        if self._last_t:  # a verify not committed yet: it is replaced, as the native target overwrites it
+            self._rollback(torch.zeros(B, dtype=torch.long))
+        dev = self.device
+        tokens = tokens.to(dev)
+        logits, feats = [], []
+        for b in range(B):
+            pos = (int(self._lengths[b]) + torch.arange(T, device=dev))[None]
+            z, f = self.model(tokens[b: b + 1], pos, self.caches[b], self.layer_ids)
+            logits.append(z[0])
+            feats.append(f[0] if f is not None else None)
+        self._last_t = T
+        feats = torch.stack(feats) if self.layer_ids else self._no_features(B, T)
+        return torch.stack(logits), feats
+
+    def commit(self, n: Tensor):
+        """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
+        n = self._check_commit(n)
+        self._rollback(n)
+        self._lengths[: self.batch] += n
+        self._last_t = 0
+
+    def _rollback(self, keep: Tensor) -> None:
+        """Crop each row's cache to its committed length + keep[b] (dropping the rest of the last verify)."""
+        for b, cache in enumerate(self.caches[: self.batch]):
+            extra = cache.get_seq_length() - int(self._lengths[b]) - int(keep[b])
+            cache.crop(-extra)  # crop(-k) drops the last k tokens (crop(0) trims sliding-window layers)
+
+
+def _read_config(root: Path) -> dict:
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint path {str(root)!r} is not a directory; expected a Hugging Face model "
+                              "directory with config.json and weights")
+    file = root / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{str(root)!r} has no config.json; expected a Hugging Face model directory")
+    try:
+        d = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"config file {str(file)!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"config file {str(file)!r} holds a {type(d).__name__}; expected a JSON object")
+    return d
+
+
+def _checkpoint_dtype(d: dict) -> torch.dtype:
+    """The checkpoint's stored dtype (config "dtype" or "torch_dtype"), float32 when absent or unsupported."""
+    stored = d.get("dtype") or d.get("torch_dtype")
+    try:
+        return resolve_dtype(stored)
+    except ValueError:
+        return torch.float32
+
+
+def load_target(path, device="cpu", dtype=None, native: bool = True):
+    """A target model from a Hugging Face checkpoint directory: the native Qwen3ForCausalLM for a Qwen3
+    checkpoint (the fast path), else an HFCausalLM over `AutoModelForCausalLM`. `dtype` None keeps the
+    checkpoint's dtype (float32 when it names none). `native=False` loads a Qwen3 through transformers too;
+    a Qwen3 config that the native model does not support (say, scaled RoPE) also goes through transformers."""
+    root = Path(path)
+    d = _read_config(root)
+    dtype = _checkpoint_dtype(d) if dtype is None else resolve_dtype(dtype)
+    device = resolve_device(device)
+    if native and d.get("model_type") == QWEN3:
+        try:
+            Qwen3Config.from_dict(d)
+        except ValueError:
+            pass  # a Qwen3 variant the native model does not implement: transformers runs it
+        else:
+            return load_qwen3(root, dtype=dtype, device=device)
+    if "model_type" not in d:
+        raise CheckpointError(f"config file {str(root / 'config.json')!r} has no model_type; expected a Hugging "
+                              "Face causal LM config")
+    from transformers import AutoModelForCausalLM
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"transformers cannot load {str(root)!r} as a causal LM: {e}") from None
+    hf = hf.to(device).eval().requires_grad_(False)
+    model = HFCausalLM(hf)
+    model.config.eos_token_id = sorted(set(model.config.eos_token_id) | {
+        e for e in _generation_eos(root / "generation_config.json") if 0 <= e < model.config.vocab_size})
+    return model
+
+
+def make_target(model, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
+    """The speculation-facing target for `model`: HFTarget for an HFCausalLM, Target for the native model."""
+    if isinstance(model, HFCausalLM):
+        return HFTarget(model, max_batch, max_len, layer_ids)
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        raise ValueError(f"target is a bare transformers {type(model).__name__}; expected it wrapped as "
+                         "HFCausalLM(model) (or loaded with dpara_rt.models.hf_target.load_target)")
+    return Target(model, max_batch, max_len, layer_ids)
+
+
+__all__ = ["HFCausalLM", "HFTarget", "HFTargetConfig", "load_target", "make_target"]
