@@ -461,6 +461,17 @@ PYBIND11_MODULE(_core, m) {
                      expect_shape(first_tokens, {s.batch()}, "first_tokens"), c.second);
              return c.first;
            }, py::arg("prompt_lens"), py::arg("first_tokens"), py::arg("committed") = py::none())
+      .def("admit", [](RoundState& s, const py::object& b, const py::object& prompt_len, const py::object& first_token,
+                       const py::object& max_new_tokens, const py::object& stop_ids) {
+             return s.admit(as_int(b, "b"), int_arg(prompt_len, "prompt_len", INT64_MIN, INT64_MAX),
+                            int_arg(first_token, "first_token", INT64_MIN, INT64_MAX),
+                            int_arg(max_new_tokens, "max_new_tokens", INT64_MIN, INT64_MAX),
+                            token_ids(stop_ids, "stop_ids"));
+           }, py::arg("b"), py::arg("prompt_len"), py::arg("first_token"), py::arg("max_new_tokens"),
+           py::arg("stop_ids") = py::list(),
+           "Between rounds: finished row b starts a new request (its prompt cached, its first token committed).")
+      .def("retire", [](RoundState& s, const py::object& b) { s.retire(as_int(b, "b")); }, py::arg("b"),
+           "End row b's request now (reason 'cancelled').")
       .def("set_draft", [](RoundState& s, const I64Array& draft) {
              s.set_draft(expect_shape(draft, {s.batch(), s.d()}, "draft"));
            }, py::arg("draft"))

@@ -127,6 +127,28 @@ def test_eos_and_max_new_tokens_inside_a_block():
     assert state.spine()[2, 0] == 3 and state.rounds() == 2
 
 
+def test_admit_and_retire_between_rounds():
+    """Continuous batching: a finished row takes a new request with its own max_new_tokens and stop ids;
+    retire() ends a running request, which then commits nothing."""
+    state = RoundState(batch=2, d=2, max_new_tokens=3, eos_ids=[2], max_len=50)
+    state.start(np.array([4, 5]), np.array([10, 11]))
+    state.retire(1)
+    assert state.finished().tolist() == [False, True] and state.reason(1) == "cancelled"
+    with pytest.raises(ValueError, match="row 0: its request is still running"):
+        state.admit(0, 3, 7, 5)
+    assert state.admit(1, 6, 12, 8, stop_ids=[40]) == 1
+    assert state.output(1) == [12] and state.target_pos()[1] == 6 and not state.finished(1)
+    state.set_draft(np.array([[20, 21], [30, 40]]))
+    r, bonus, committed = state.step(np.array([[20, 21, 22], [30, 40, 41]]))
+    assert committed.tolist() == [2, 3 - 1] and state.reason(0) == "length"  # row 0 keeps the shared limit 3
+    assert state.output(1) == [12, 30, 40] and state.reason(1) == "eos"      # its own stop id 40, mid-block
+    for bad, match in (((1, 0, 5, 4), "prompt length 0"), ((1, 50, 5, 4), "prompt length 50"),
+                       ((1, 3, -1, 4), "first token -1"), ((1, 3, 5, 0), "max_new_tokens 0"),
+                       ((7, 3, 5, 4), "7")):
+        with pytest.raises((ValueError, IndexError), match=match):
+            state.admit(*bad)
+
+
 def test_caller_owned_outputs():
     state = RoundState(2, 2, 50, [], 100)
     out = np.zeros(2, dtype=np.int64)

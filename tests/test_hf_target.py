@@ -263,3 +263,18 @@ def test_eos_stops_as_generate_does(pairs):
     for method in ("ar", "dpara"):
         eng = Engine(model, drafter if method != "ar" else None, method=method, d=4, eos_ids=[eos])
         assert eng.generate(PROMPTS[:1], max_new_tokens=NEW).tokens == want
+
+
+def test_continuous_batching_on_a_transformers_target(pairs):
+    """Rows of a transformers target are re-prefilled when requests join (prefill_row): joined requests
+    decode exactly as alone."""
+    from test_batching import Timeline, _request, _run
+    model, drafter, _ = pairs("llama")
+    eng = Engine(model, drafter, method="dpara", d=3, max_batch=2)
+    prompts = [[5, 9, 13], [7, 3, 11, 19, 4], [21, 8]]
+    alone = [eng.generate([p], 10).tokens[0] for p in prompts]
+    reqs = [_request(i, p, 10, eos=model.config.eos_token_id) for i, p in enumerate(prompts)]
+    timeline = Timeline(eng, [(0, reqs[0]), (2, reqs[1]), (3, reqs[2])])
+    slots = _run(eng, timeline, batch=2)
+    assert [[t for c in r.handle for t in c] for r in reqs] == alone
+    assert slots.joins >= 1

@@ -12,6 +12,7 @@ const char* finish_reason_name(FinishReason r) {
     case FinishReason::eos: return "eos";
     case FinishReason::length: return "length";
     case FinishReason::max_len: return "max_len";
+    case FinishReason::cancelled: return "cancelled";
   }
   return "?";
 }
@@ -82,14 +83,15 @@ int RoundState::num_running() const {
   return int(std::count_if(reqs_.begin(), reqs_.end(), [](const Request& q) { return q.reason == FinishReason::none; }));
 }
 
-bool RoundState::is_eos(std::int64_t tok) const {
-  return std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
+bool RoundState::is_eos(const Request& q, std::int64_t tok) const {
+  return std::find(eos_.begin(), eos_.end(), tok) != eos_.end() ||
+         std::find(q.stop_ids.begin(), q.stop_ids.end(), tok) != q.stop_ids.end();
 }
 
 bool RoundState::append(Request& q, std::int64_t tok) {
   q.output.push_back(tok);
-  if (is_eos(tok)) q.reason = FinishReason::eos;
-  else if (std::int64_t(q.output.size()) >= max_new_) q.reason = FinishReason::length;
+  if (is_eos(q, tok)) q.reason = FinishReason::eos;
+  else if (std::int64_t(q.output.size()) >= q.max_new) q.reason = FinishReason::length;
   else if (q.prompt_len + std::int64_t(q.output.size()) >= max_len_) q.reason = FinishReason::max_len;
   return q.reason == FinishReason::none;
 }
@@ -109,6 +111,7 @@ void RoundState::start(const std::int64_t* prompt_lens, const std::int64_t* firs
   for (int b = 0; b < batch_; ++b) {
     Request& q = reqs_[std::size_t(b)];
     q = Request{};
+    q.max_new = max_new_;
     q.prompt_len = q.target_pos = q.drafter_pos = prompt_lens[b];
     std::int64_t* s = &spine_[std::size_t(b) * std::size_t(d_ + 1)];
     std::fill(s, s + d_ + 1, std::int64_t(0));
@@ -119,6 +122,35 @@ void RoundState::start(const std::int64_t* prompt_lens, const std::int64_t* firs
   rounds_ = 0;
   started_ = true;
   draft_set_ = false;
+}
+
+std::int64_t RoundState::admit(int b, std::int64_t prompt_len, std::int64_t first_token, std::int64_t max_new_tokens,
+                               std::vector<std::int64_t> stop_ids) {
+  require_started("admit");
+  check_b(b);
+  if (reqs_[std::size_t(b)].reason == FinishReason::none)
+    detail::value_error("cannot admit a request into row ", b, ": its request is still running");
+  if (prompt_len < 1 || prompt_len >= max_len_)
+    detail::value_error("prompt length ", prompt_len, " of row ", b, " must be in 1..", max_len_ - 1, " (max_len ",
+                        max_len_, ")");
+  if (first_token < 0) detail::value_error("first token ", first_token, " of row ", b, " is not a token id");
+  if (max_new_tokens < 1) detail::value_error("max_new_tokens ", max_new_tokens, " of row ", b, " must be >= 1");
+  Request& q = reqs_[std::size_t(b)];
+  q = Request{};
+  q.max_new = max_new_tokens;
+  q.stop_ids = std::move(stop_ids);
+  q.prompt_len = q.target_pos = q.drafter_pos = prompt_len;
+  std::int64_t* s = &spine_[std::size_t(b) * std::size_t(d_ + 1)];
+  std::fill(s, s + d_ + 1, std::int64_t(0));
+  s[0] = first_token;
+  if (append(q, first_token)) stop_if_no_room(q);
+  return 1;
+}
+
+void RoundState::retire(int b) {
+  require_started("retire");
+  Request& q = reqs_[std::size_t(check_b(b))];
+  if (q.reason == FinishReason::none) q.reason = FinishReason::cancelled;
 }
 
 void RoundState::set_draft(const std::int64_t* draft) {

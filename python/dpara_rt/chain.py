@@ -83,6 +83,10 @@ class Chain:
         for lane in self.lanes:
             lane.synchronize()
 
+    def restart(self) -> None:
+        """Take links again after drain() returned at finish() (continuous batching resumes the decode)."""
+        self._stopped = False
+
     def drain(self) -> Iterator:
         """Yield what the links emit until finish(); re-raise a link's error. Leaving early (an abandoned
         stream) stops the chain at its next link and waits for the lanes to go idle."""

@@ -193,10 +193,11 @@ class Engine:
             self.auto_choices[B] = min(cost, key=cost.get)
         return self.auto_choices[B]
 
-    def _decode(self, ticket: "_Ticket", method: str, opts: DecodeOptions, prompts: list[list[int]], trace: bool):
+    def _decode(self, ticket: "_Ticket", method: str, opts: DecodeOptions, prompts: list[list[int]], trace: bool,
+                admission=None):
         spec = METHODS[method]
         dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter,
-                                            markov=spec.markov)
+                                       markov=spec.markov, admission=admission)
         new_tokens = 0
         t0 = time.perf_counter()
         for new in dec.run(spec.run):
@@ -204,6 +205,29 @@ class Engine:
             yield new
         name = self._variant(method, opts)
         self.last_stats = summarize(dec, name, len(prompts), time.perf_counter() - t0, new_tokens, trace)
+
+    def serve(self, slots, max_len: int) -> Iterator[list[list[int]]]:
+        """Continuous batching (dpara_rt.batching.Slots): one decode over ``slots.batch`` rows that requests
+        join and leave between rounds, with a KV cache of at least ``max_len`` tokens a row; yields each
+        round's commits per row. dpara_rt.scheduler.Scheduler drives it."""
+        B = slots.batch
+        if not is_int(B) or not 1 <= B <= self.target.max_batch:
+            raise ValueError(f"slots.batch = {B!r}; expected an int in 1..{self.target.max_batch} (max_batch)")
+        rows = dict(temperature=(0.0,) * B, top_p=(1.0,) * B, top_k=(0,) * B, seed=(0,) * B)
+        opts = self.options(1, **rows)
+        method = self.method
+        if method == AUTO:  # the choice profiled for this batch size, else dpara
+            method, opts = _with_variant(self.auto_choices.get(B, "dpara"), opts)
+        if self.fixed_max_len is None:
+            cap = getattr(self.model.config, "max_position_embeddings", None) or max_len
+            self.target.reserve(min(-(-max_len // _CACHE_GRANULE) * _CACHE_GRANULE, max(cap, max_len)))
+        ticket = self._claim()
+        try:
+            yield from ticket.run(self._decode(ticket, method, opts, [[0]] * B, False, admission=slots), hold=True)
+        finally:
+            with self._lock:
+                if self._open is ticket:
+                    self._open = None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, *,
                  temperature: float | Sequence[float] | None = None, top_p: float | Sequence[float] | None = None,

@@ -13,8 +13,8 @@
 
 namespace dpara_rt {
 
-enum class FinishReason : std::uint8_t { none = 0, eos = 1, length = 2, max_len = 3 };
-const char* finish_reason_name(FinishReason r);  // "", "eos", "length", "max_len"
+enum class FinishReason : std::uint8_t { none = 0, eos = 1, length = 2, max_len = 3, cancelled = 4 };
+const char* finish_reason_name(FinishReason r);  // "", "eos", "length", "max_len", "cancelled"
 
 // Greedy acceptance: r[b] = length of the longest prefix with draft[b][i] == target_argmax[b][i]
 // (target_argmax[b][i] is the target's choice after s_0..s_i), bonus[b] = target_argmax[b][r[b]].
@@ -51,6 +51,12 @@ class RoundState {
   void start(const std::int64_t* prompt_lens, const std::int64_t* first_tokens, std::int64_t* committed_out);
   // The draft t_1..t_d that the next round verifies: spine[b][1..d] = draft[b] ([batch, d]).
   void set_draft(const std::int64_t* draft);
+  // Continuous batching, between rounds: request b (a finished row) starts over as a new request whose
+  // prompt_len tokens are cached and whose first token is committed, with its own max_new_tokens and stop
+  // ids besides the shared EOS ids. Returns the tokens committed (1). retire(b) ends request b now.
+  std::int64_t admit(int b, std::int64_t prompt_len, std::int64_t first_token, std::int64_t max_new_tokens,
+                     std::vector<std::int64_t> stop_ids);
+  void retire(int b);
   // One fused round: greedy acceptance of the spine's draft against target_argmax [batch, d+1], then
   // commit(). Finished requests get r = 0, bonus = spine[0], committed = 0.
   void step(const std::int64_t* target_argmax, int slot, std::int64_t* r_out, std::int64_t* bonus_out,
@@ -84,13 +90,15 @@ class RoundState {
   struct Request {
     std::int64_t prompt_len = 0, target_pos = 0, drafter_pos = 0;
     FinishReason reason = FinishReason::none;
+    std::int64_t max_new = 0;
+    std::vector<std::int64_t> stop_ids;  // besides the shared eos_ids
     std::vector<std::int64_t> output;
     std::vector<std::int32_t> slots;
   };
   int check_b(int b) const;
   const Request& req(int b) const { return reqs_[std::size_t(check_b(b))]; }
   void require_started(const char* what) const;
-  bool is_eos(std::int64_t tok) const;
+  bool is_eos(const Request& q, std::int64_t tok) const;
   // Append one token; returns false once the request has stopped.
   bool append(Request& q, std::int64_t tok);
   void stop_if_no_room(Request& q);

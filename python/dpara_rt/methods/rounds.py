@@ -9,6 +9,8 @@ correct because a job that records or waits on its own lane does so at its curre
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -159,6 +161,7 @@ class Outcome:
     keep: Tensor              # [B] long: rows of `features` the drafter absorbs (r+1 for running requests)
     running: Tensor           # [B] bool, after this round
     ready: _core.Event        # target lane, after features and (r, bonus) were staged
+    pause: bool = False       # continuous batching: the chain stops here so that waiting requests join
 
     @property
     def phase(self) -> int:
@@ -166,7 +169,8 @@ class Outcome:
 
     @property
     def finished(self) -> bool:
-        return not bool(self.running.any())
+        """Whether the method's chain ends at this round (every request finished, or a pause to admit)."""
+        return self.pause or not bool(self.running.any())
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
@@ -196,8 +200,11 @@ class Decoder:
 
     def __init__(self, target: Target, drafter, lanes: tuple[Lane, Lane], opts: DecodeOptions,
                  prompts: list[list[int]], needs_drafter: bool, ring_capacity: int = 2,
-                 markov: bool = True):
+                 markov: bool = True, admission=None):
         self.target, self.opts, self.prompts = target, opts, prompts
+        # Continuous batching (dpara_rt.batching.Slots): rows are slots that requests take and leave between
+        # rounds; None for a fixed batch.
+        self.admission, self.paused = admission, None
         self.drafter = drafter if needs_drafter else None
         self.target_lane, self.drafter_lane = lanes
         self.d = opts.d if needs_drafter else 1
@@ -209,11 +216,7 @@ class Decoder:
         # request's uniforms come from its own stream, the very ones it would draw decoding alone.
         self.generator = ([make_generator(s) for s in opts.seed] if opts.per_request_seeds
                           else make_generator(opts.seed))
-        temps = opts.per_row("temperature", B)
-        # The Markov head takes one temperature and one seed: per-request ones run it once per row (greedy
-        # drafts use no randomness, so an all-greedy batch keeps the batched call).
-        self._head_per_row = opts.sampling and (opts.per_request_seeds or len(set(temps)) > 1)
-        self._head_temps = temps
+        self._head_options()
         self._markov_calls = 0
         self.warned_non_finite = False
         self.staging = self.cache = self.ring = None
@@ -237,6 +240,23 @@ class Decoder:
         self._slots = [slot_tensor(self.ring, i) for i in range(ring_capacity)] if needs_drafter else []
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
+
+    def _head_options(self) -> None:
+        # The Markov head takes one temperature and one seed: per-request ones run it once per row (greedy
+        # drafts use no randomness, so an all-greedy batch keeps the batched call).
+        temps = self.opts.per_row("temperature", self.state.batch())
+        self._head_per_row = self.opts.sampling and (self.opts.per_request_seeds or len(set(temps)) > 1)
+        self._head_temps = temps
+
+    def set_row_options(self, b: int, temperature: float, top_p: float, top_k: int, seed: int) -> None:
+        """Continuous batching: row b's sampling options for the request that takes it (between rounds)."""
+        o = self.opts
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        rows = {k: tuple(v if i == b else old for i, old in enumerate(o.per_row(k, self.state.batch())))
+                for k, v in given.items()}
+        self.opts = dataclasses.replace(o, **rows)
+        self.generator[b] = make_generator(seed)
+        self._head_options()
 
     @property
     def metrics(self) -> _core.Metrics:
@@ -303,8 +323,9 @@ class Decoder:
         self._markov_calls += 1  # each call draws fresh Gumbel noise
         r, bonus = r.to(dev), bonus.to(dev)
         opts = self.opts
-        if not self._head_per_row:
-            return ops.markov_head(boundary, r, bonus, w1, w2, self._head_temps[0], opts.seed, self._markov_calls)
+        if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
+            seed = opts.seed[0] if opts.per_request_seeds else opts.seed
+            return ops.markov_head(boundary, r, bonus, w1, w2, self._head_temps[0], seed, self._markov_calls)
         drafts, qs = [], []
         for b, temp in enumerate(self._head_temps):
             if opts.per_request_seeds:
@@ -355,6 +376,14 @@ class Decoder:
         o = self.opts
         return sample(logits, o.temperature, o.top_p, self.generator, o.top_k).cpu()
 
+    def pick_row(self, b: int, logits: Tensor) -> int:
+        """Row b's token from its logits [V], with that row's options and random stream (an admitted request's
+        first token)."""
+        o, B = self.opts, self.state.batch()
+        gen = self.generator[b] if isinstance(self.generator, list) else self.generator
+        row = {k: o.per_row(k, B)[b] for k in ("temperature", "top_p", "top_k")}
+        return int(sample(logits[None], row["temperature"], row["top_p"], gen, row["top_k"])[0])
+
     def verify(self, draft: Draft) -> Verified:
         """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
         draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
@@ -398,6 +427,8 @@ class Decoder:
         stops at EOS or max_new_tokens inside the block, and the target keeps the KV of s_0..s_r."""
         block = verified.block
         B = block.shape[0]
+        for b in self.admission.retirements() if self.admission is not None else ():
+            self.state.retire(b)  # a cancelled request leaves now: nothing of this round is committed for it
         running = self.running_mask()
         draft = block[:, 1:] if block.shape[1] > 1 else torch.zeros(B, self.d, dtype=torch.long)
         self.state.set_draft(np.ascontiguousarray(draft.numpy(), dtype=np.int64))
@@ -428,17 +459,35 @@ class Decoder:
         """Target-lane link: verify, commit, and hand the round's tokens to the consumer."""
         out = self.accept(self.verify(draft), slot)
         self.chain.emit(out.tokens)
+        if not out.finished and self.admission is not None and self.admission.should_pause(out):
+            self.paused = out = dataclasses.replace(out, pause=True)
         if out.finished:
             self.chain.finish()
         return out
 
     def run(self, method) -> Iterator[list[list[int]]]:
-        """Start the method's chain from the prefill's outcome; yields each round's commits."""
+        """Start the method's chain from the prefill's outcome; yields each round's commits. Under continuous
+        batching, whenever the chain pauses (or every request finished) the admission fills free rows and the
+        method starts again from a joint outcome: the running rows' last round and the new rows' prompts."""
         first = self.start()
+        if self.admission is not None:  # the prefill's placeholder rows are free slots
+            for b in range(self.state.batch()):
+                self.state.retire(b)
+            first = self.admission.readmit(self, None)
+            if first is None:
+                return
         yield first.tokens
-        if not first.finished:
-            method(self, first)
-            yield from self.chain.drain()
+        while True:
+            if not first.finished:
+                method(self, first)
+                yield from self.chain.drain()
+            if self.admission is None:
+                return
+            first, self.paused = self.admission.readmit(self, self.paused), None
+            if first is None:
+                return
+            self.chain.restart()
+            yield first.tokens
 
 
 __all__ = ["DecodeOptions", "Decoder", "Draft", "Outcome", "Verified", "PSD_POLICIES"]

@@ -193,19 +193,32 @@ class HFTarget(TargetBase):
         logits = []
         feats = torch.zeros(B, Tmax, self.feature_dim, dtype=self.dtype, device=dev)
         for b, p in enumerate(prompts):
-            cache = self.model.new_cache()
-            ids = torch.as_tensor(p, dtype=torch.long, device=dev)[None]
-            z, f = self.model(ids, torch.arange(len(p), device=dev)[None], cache, self.layer_ids, logits_to_keep=1)
-            cache.crop(0)  # sliding-window layers drop what no later query can see
+            cache, z, f = self._prefill(p)
             self.caches.append(cache)
-            logits.append(z[0, -1])
-            if f is not None:
-                feats[b, : len(p)] = f[0]
+            logits.append(z)
+            feats[b, : len(p)] = f
         prompt_lens = torch.tensor(lens, dtype=torch.long)
         self._lengths.zero_()
         self._lengths[:B] = prompt_lens
         self.batch = B
         return torch.stack(logits), feats, prompt_lens
+
+    def _prefill(self, p: list[int]) -> tuple[object, Tensor, Tensor]:
+        """A new cache holding prompt p: (cache, last logits [V], features [T, F])."""
+        dev = self.device
+        cache = self.model.new_cache()
+        ids = torch.as_tensor(p, dtype=torch.long, device=dev)[None]
+        z, f = self.model(ids, torch.arange(len(p), device=dev)[None], cache, self.layer_ids, logits_to_keep=1)
+        cache.crop(0)  # sliding-window layers drop what no later query can see
+        return cache, z[0, -1], (f[0] if f is not None else self._no_features(1, len(p))[0])
+
+    @torch.no_grad()
+    def prefill_row(self, b: int, prompt: list[int]) -> tuple[Tensor, Tensor]:
+        """Continuous batching, between rounds: row b takes a new request (last logits [V], features [T, F])."""
+        self._check_row(b, prompt)
+        self.caches[b], logits, feats = self._prefill(prompt)
+        self._lengths[b] = len(prompt)
+        return logits, feats
 
     @torch.no_grad()
     def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

@@ -62,6 +62,12 @@ class KVCache:
         """K, V views [batch, kv_heads, kv_len, head_dim] of the first kv_len slots."""
         return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Rows start..stop-1 as a cache of their own, sharing this one's storage (lengths included)."""
+        view = object.__new__(KVCache)
+        view.k, view.v, view.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
+        return view
+
     def reset(self):
         self.lengths.zero_()
 

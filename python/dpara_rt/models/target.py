@@ -93,6 +93,14 @@ class TargetBase:
                              "(the T of the last verify not yet committed)")
         return n
 
+    def _check_row(self, b: int, prompt: list[int]) -> None:
+        """prefill_row's arguments: a row in use and one prompt that fits."""
+        if not isinstance(b, int) or not 0 <= b < self.batch:
+            raise ValueError(f"row {b!r}: expected a row in use, 0..{self.batch - 1}")
+        self.check_prompts([prompt])
+        if self._last_t:
+            raise RuntimeError(f"prefill_row({b}) while a verify of {self._last_t} tokens awaits its commit")
+
     def _no_features(self, B: int, T: int) -> Tensor:
         return torch.zeros(B, T, 0, dtype=self.dtype, device=self.device)
 
@@ -144,6 +152,18 @@ class Target(TargetBase):
         valid = (positions < prompt_lens[:, None]).to(dev)
         feats = self._features(feats, B, Tmax) * valid[..., None]
         return logits[:, 0], feats, prompt_lens
+
+    @torch.no_grad()
+    def prefill_row(self, b: int, prompt: list[int]) -> tuple[Tensor, Tensor]:
+        """Continuous batching, between rounds: row b takes a new request whose prompt is prefilled and
+        committed. Returns (last logits [V], features [T, F])."""
+        self._check_row(b, prompt)
+        T, dev = len(prompt), self.device
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=dev)[None]
+        logits, feats = self.model(ids, torch.arange(T, device=dev)[None], self.cache.rows(b, b + 1), self.layer_ids,
+                                   kv_len=T, logits_index=torch.tensor([T - 1], device=dev))
+        self.cache.lengths[b] = T
+        return logits[0, 0], self._features(feats, 1, T)[0]
 
     @torch.no_grad()
     def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
