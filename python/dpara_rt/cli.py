@@ -1,4 +1,4 @@
-"""The `dpara-rt` command line: demo (the main job), generate, info, convert, train, bench."""
+"""The `dpara-rt` command line: demo (the main job), generate, serve, info, convert, train, bench."""
 from __future__ import annotations
 
 import argparse
@@ -40,24 +40,21 @@ def _batch(text):
     return v
 
 
-def _temperature(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--temperature must be a number, got {text!r}") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0 (0 = greedy), got {text}")
-    return v
+def _number(flag: str, ok, expected: str):
+    """An argparse type: a float for `flag` that `ok` accepts, else one line saying what was expected."""
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{flag} must be {expected}, got {text}")
+        return v
+    return parse
 
 
-def _top_p(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--top-p must be a number, got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"--top-p must be in (0, 1], got {text}")
-    return v
+_temperature = _number("--temperature", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)")
+_top_p = _number("--top-p", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def _token_id(text):
@@ -354,6 +351,57 @@ def cmd_train(args):
     return 0
 
 
+def cmd_serve(args):
+    """An OpenAI-compatible server over the scheduler (see dpara_rt.serve); SIGTERM / SIGINT drain it."""
+    from dpara_rt.engine import Engine
+    from dpara_rt.scheduler import Scheduler
+    from dpara_rt.text import TextTokenizer
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise CliError(f"serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'dpara_rt[serve]'"
+                       ) from None
+    try:
+        kw = variant(args.method)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.target and args.models:
+        raise CliError(f"--models {args.models} and --target {args.target} both given; expected one pair")
+    if args.drafter and not args.target:
+        raise CliError(f"--drafter {args.drafter} needs --target DIR, the model it drafts for")
+    if args.target and needs_drafter(kw["method"]) and not args.drafter:
+        raise CliError(f"--method {args.method} needs --drafter DIR with --target {args.target}; or use --method ar")
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise CliError(f"--chat-template {args.chat_template} cannot be read ({e.strerror or e})") from None
+    tokenizer, target, drafter = _load_pair(args)
+    if not isinstance(tokenizer, TextTokenizer):
+        tokenizer = TextTokenizer.wrap(tokenizer)
+    model_eos = getattr(target.config, "eos_token_id", None)
+    model_eos = [model_eos] if isinstance(model_eos, int) else list(model_eos or [])
+    eos = sorted({*model_eos, *tokenizer.eos_ids})
+    eos = [e for e in eos if 0 <= e < target.config.vocab_size]
+    engine = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, max_batch=args.max_batch,
+                    eos_ids=eos, **kw)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "tiny")
+    from dpara_rt.serve import create_app, run
+    scheduler = Scheduler(engine, max_queue=args.max_queue)
+    app = create_app(scheduler, tokenizer, name, max_model_len=args.max_model_len, chat_template=template)
+    print(f"dpara-rt serve: model {name!r} ({engine.name}, d = {args.d}, max batch {args.max_batch}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        run(app, args.host, args.port, grace_s=args.grace, log_level=args.log_level)
+    finally:
+        scheduler.close(cancel=True, timeout=10.0)
+    print("dpara-rt serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dpara-rt", description="DPara parallel speculative decoding runtime")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -413,6 +461,32 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--target-minutes", type=float, default=28.0)
     train.add_argument("--drafter-minutes", type=float, default=28.0)
     train.set_defaults(fn=cmd_train)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the embedded pair by default)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
+    srv.add_argument("--d", type=_positive("--d"), default=7)
+    srv.add_argument("--max-batch", type=_batch, default=8, help="requests decoded together (at most 16)")
+    srv.add_argument("--max-queue", type=_positive("--max-queue"), default=256,
+                     help="requests waiting beyond the batch; more get HTTP 429")
+    srv.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
+                     help="context cap in tokens (default: the model's max_position_embeddings)")
+    srv.add_argument("--target", help="a Hugging Face model directory with its tokenizer (default: the embedded "
+                                      "pair)")
+    srv.add_argument("--drafter", help="a drafter directory for --target; not needed for --method ar")
+    srv.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    srv.add_argument("--dtype", type=_dtype, default=None,
+                     help="float32, bfloat16 or float16 (default: the checkpoint's; float32 for the embedded pair)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model id clients send (default: the target directory's name, or 'tiny')")
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template for /v1/chat/completions (default: the target's, if any)")
+    srv.add_argument("--grace", type=float, default=30.0,
+                     help="seconds running requests get to finish after SIGTERM before they are cancelled")
+    srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    srv.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
+    srv.set_defaults(fn=cmd_serve)
 
     sub.add_parser("bench", help="end-to-end benchmark grid: dpara-rt bench --out DIR [--quick] (see --help)")
     return p

@@ -112,6 +112,7 @@ class Scheduler:
         self._cancel_all = False
         self._wake = threading.Event()
         self.running = 0  # requests in the current decode
+        self.overlap_efficiency = 0.0  # of the last decode
         self.counters = dict(requests=0, finished=0, cancelled=0, errors=0, prompt_tokens=0, completion_tokens=0)
         self.spec = dict(rounds=0, drafts=0, draft_tokens=0, accepted_tokens=0, accepted_per_position=[],
                          fallbacks=0)
@@ -164,7 +165,10 @@ class Scheduler:
 
     def metrics(self) -> dict:
         """Counters for /metrics: requests and tokens, plus the speculation counters of every decode so far."""
-        return {**self.counters, "waiting": self.waiting(), "running": self.running, **self.spec}
+        s = self.spec
+        tau = 1 + s["accepted_tokens"] / s["drafts"] if s["drafts"] else float("nan")
+        return {**self.counters, "waiting": self.waiting(), "running": self.running, **s, "tau": tau,
+                "overlap_efficiency": self.overlap_efficiency}
 
     # ------------------------------------------------------------------ worker
     def take(self, free: int, fits=lambda req: True) -> list[Request]:
@@ -243,6 +247,7 @@ class Scheduler:
             acc = s["accepted_per_position"]
             s["accepted_per_position"] = [a + b for a, b in itertools.zip_longest(acc, per_pos, fillvalue=0)]
         s["fallbacks"] += round(st.fallback_rate * st.rounds)
+        self.overlap_efficiency = st.overlap_efficiency
 
 
 __all__ = ["QueueFull", "Request", "RequestHandle", "Scheduler"]
