@@ -159,3 +159,19 @@ def test_sampled_requests_keep_their_own_stream(pair):
         list(other)
     finally:
         sched.close()
+
+
+def test_batch_limit_comes_from_memory(pair):
+    """Per row: the target's KV cache and the drafter's context cache at max_len, plus two ring slots."""
+    from dpara_rt.engine import batch_for_memory
+    target, drafter = pair
+    c, dc = target.config, drafter.config
+    row = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 * 1000
+           + 2 * dc.num_layers * dc.num_key_value_heads * dc.head_dim * 4 * 1000 + 2 * 8 * 7 * dc.vocab_size * 4)
+    assert batch_for_memory(target, drafter, 1000, d=7, fraction=0.5, available=10 * row) == 5
+    assert batch_for_memory(target, None, 1000, available=1) == 1  # always at least one request
+    assert batch_for_memory(target, drafter, 1000) >= 1             # from what the machine reports
+    with pytest.raises(ValueError, match="fraction = 0"):
+        batch_for_memory(target, drafter, 1000, fraction=0)
+    eng = _engine(pair, "dpara", max_batch=20)  # no fixed ceiling on the batch
+    assert eng.target.max_batch == 20

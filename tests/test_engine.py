@@ -127,7 +127,7 @@ def test_overlap_is_real_on_two_host_lanes():
     (dict(temperature=float("inf")), "temperature = inf"),
     (dict(temperature=-0.5), "temperature = -0.5"),
     (dict(placement="everywhere"), "placement 'everywhere'"),
-    (dict(max_batch=17), "max_batch = 17"),
+    (dict(max_batch=0), "max_batch = 0"),
     (dict(max_batch=2.5), "max_batch = 2.5; expected an int"),
     (dict(threads_per_lane=0), "threads_per_lane = 0"),
     (dict(psd_policy="oracle", method="psd"), "psd_policy 'oracle'"),

@@ -386,13 +386,18 @@ def cmd_serve(args):
     model_eos = [model_eos] if isinstance(model_eos, int) else list(model_eos or [])
     eos = sorted({*model_eos, *tokenizer.eos_ids})
     eos = [e for e in eos if 0 <= e < target.config.vocab_size]
-    engine = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, max_batch=args.max_batch,
+    max_batch = args.max_batch
+    if max_batch is None:  # what half the free memory holds at the longest context served
+        from dpara_rt.engine import batch_for_memory
+        longest = args.max_model_len or getattr(target.config, "max_position_embeddings", None) or 4096
+        max_batch = batch_for_memory(target, drafter if needs_drafter(kw["method"]) else None, longest, args.d)
+    engine = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, max_batch=max_batch,
                     eos_ids=eos, **kw)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "tiny")
     from dpara_rt.serve import create_app, run
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     app = create_app(scheduler, tokenizer, name, max_model_len=args.max_model_len, chat_template=template)
-    print(f"dpara-rt serve: model {name!r} ({engine.name}, d = {args.d}, max batch {args.max_batch}) on "
+    print(f"dpara-rt serve: model {name!r} ({engine.name}, d = {args.d}, max batch {max_batch}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         run(app, args.host, args.port, grace_s=args.grace, log_level=args.log_level)
@@ -467,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
     srv.add_argument("--d", type=_positive("--d"), default=7)
-    srv.add_argument("--max-batch", type=_batch, default=8, help="requests decoded together (at most 16)")
+    srv.add_argument("--max-batch", type=_positive("--max-batch"), default=None,
+                     help="requests decoded together (default: what half the free memory holds at the longest "
+                          "context served)")
     srv.add_argument("--max-queue", type=_positive("--max-queue"), default=256,
                      help="requests waiting beyond the batch; more get HTTP 429")
     srv.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
+import os
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from dpara_rt.models.drafter_io import check_target_compatible
 from dpara_rt.models.hf_target import make_target
 from dpara_rt.stats import Stats, summarize
 
-MAX_BATCH = 16
+MAX_BATCH = 16  # the default batch limit; serving derives one from memory (batch_for_memory)
 GIL_SWITCH_S = 2e-4
 _CACHE_GRANULE = 256  # the KV cache grows in steps of this many tokens
 
@@ -50,8 +51,8 @@ class Engine:
                  psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
-        if not is_int(max_batch) or not 1 <= max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch = {max_batch!r}; expected an int in 1..{MAX_BATCH}")
+        if not is_int(max_batch) or max_batch < 1:
+            raise ValueError(f"max_batch = {max_batch!r}; expected an int >= 1 (see batch_for_memory)")
         if max_len is not None and (not is_int(max_len) or max_len < 2):
             raise ValueError(f"max_len = {max_len!r}; expected an int >= 2, or None (sized per call)")
         if not is_int(threads_per_lane) or threads_per_lane < 1:
@@ -250,6 +251,35 @@ class Engine:
             for out, t in zip(tokens, new):
                 out.extend(t)
         return Output(tokens, self.last_stats)
+
+
+def batch_for_memory(target, drafter, max_len: int, d: int = 7, fraction: float = 0.5,
+                     available: int | None = None) -> int:
+    """The most requests whose per-row state fits `fraction` of the free memory of the target's device: the
+    target's KV cache and the drafter's context cache at `max_len` tokens, and two ring slots of boundary
+    logits ((d+1) x d rows of the vocabulary). `available` (bytes) overrides what the device reports."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction = {fraction!r}; expected a number in (0, 1]")
+    c = target.config
+    row = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * target.dtype.itemsize * max_len
+    if drafter is not None:
+        dc = drafter.config
+        row += 2 * dc.num_layers * dc.num_key_value_heads * dc.head_dim * drafter.dtype.itemsize * max_len
+        row += 2 * (d + 1) * d * dc.vocab_size * drafter.dtype.itemsize
+    if available is None:
+        available = _free_memory(target.device)
+    return max(1, int(available * fraction) // row)
+
+
+def _free_memory(device) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _as_float(temperature):
