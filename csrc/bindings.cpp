@@ -472,6 +472,8 @@ PYBIND11_MODULE(_core, m) {
            "Between rounds: finished row b starts a new request (its prompt cached, its first token committed).")
       .def("retire", [](RoundState& s, const py::object& b) { s.retire(as_int(b, "b")); }, py::arg("b"),
            "End row b's request now (reason 'cancelled').")
+      .def("grow", [](RoundState& s, const py::object& batch) { s.grow(as_int(batch, "batch")); }, py::arg("batch"),
+           "Continuous batching: this many rows from now on; the new ones are free.")
       .def("set_draft", [](RoundState& s, const I64Array& draft) {
              s.set_draft(expect_shape(draft, {s.batch(), s.d()}, "draft"));
            }, py::arg("draft"))

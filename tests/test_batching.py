@@ -37,8 +37,8 @@ class Timeline:
     def visible(self):
         return [req for when, req in self.plan if when <= self.rounds]
 
-    def waiting(self):
-        return len(self.visible())
+    def waiting(self, fits=None):
+        return len([r for r in self.visible() if fits is None or fits(r)])
 
     def take(self, n, fits=lambda r: True):
         out = [r for r in self.visible() if fits(r)][:n]
@@ -59,9 +59,9 @@ def _request(i, prompt, max_new, stop_ids=(), eos=(2,)):
     return req
 
 
-def _run(eng, timeline, batch, cancel_after: dict | None = None):
+def _run(eng, timeline, batch, cancel_after: dict | None = None, max_batch: int | None = None):
     """Drive Engine.serve; `cancel_after` {request id: chunks}: cancel once that many chunks arrived."""
-    slots = Slots(timeline, batch)
+    slots = Slots(timeline, batch, max_batch)
     chunks = {}
     for new in eng.serve(slots, 256):
         timeline.rounds += 1
@@ -104,6 +104,20 @@ def test_joins_and_leaves_keep_every_greedy_output(pair, name):
     assert timeline.ended[3] == "stop"
     assert slots.joins >= 2  # requests did join a running decode
     assert eng.last_stats.fallback_rate == 0 or name.startswith("psd")
+
+
+@pytest.mark.parametrize("name", ["ar", "dspark", "psd-pearl", "dpara", "dpara-hidden"])
+def test_the_batch_grows_while_a_decode_runs(pair, name):
+    """A decode that started with one row grows (1 -> 2 -> 4) as requests arrive; every output is unchanged."""
+    eng = _engine(pair, name, max_batch=4)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 3, 9, 4, 7)]
+    alone = [eng.generate([p], 24).tokens[0] for p in prompts]
+    reqs = [_request(i, p, 24) for i, p in enumerate(prompts)]
+    timeline = Timeline(eng, [(0, reqs[0]), (2, reqs[1]), (3, reqs[2]), (3, reqs[3]), (4, reqs[4])])
+    slots = _run(eng, timeline, batch=1, max_batch=4)
+    assert [[t for c in r.handle for t in c] for r in reqs] == alone
+    assert slots.batch == 4 and slots.joins >= 3
 
 
 def test_a_request_alone_in_a_serving_decode_equals_generate(pair):

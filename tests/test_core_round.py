@@ -142,6 +142,11 @@ def test_admit_and_retire_between_rounds():
     r, bonus, committed = state.step(np.array([[20, 21, 22], [30, 40, 41]]))
     assert committed.tolist() == [2, 3 - 1] and state.reason(0) == "length"  # row 0 keeps the shared limit 3
     assert state.output(1) == [12, 30, 40] and state.reason(1) == "eos"      # its own stop id 40, mid-block
+    state.grow(3)  # a third row, free until admitted
+    assert state.batch() == 3 and state.finished(2) and state.output(1) == [12, 30, 40]
+    with pytest.raises(ValueError, match="grow to 2 rows: expected at least the current 3"):
+        state.grow(2)
+    assert state.admit(2, 4, 13, 2) == 1 and not state.finished(2)
     for bad, match in (((1, 0, 5, 4), "prompt length 0"), ((1, 50, 5, 4), "prompt length 50"),
                        ((1, 3, -1, 4), "first token -1"), ((1, 3, 5, 0), "max_new_tokens 0"),
                        ((7, 3, 5, 4), "7")):

@@ -153,6 +153,18 @@ void RoundState::retire(int b) {
   if (q.reason == FinishReason::none) q.reason = FinishReason::cancelled;
 }
 
+void RoundState::grow(int batch) {
+  require_started("grow");
+  if (batch < batch_) detail::value_error("grow to ", batch, " rows: expected at least the current ", batch_);
+  Request free_row;
+  free_row.reason = FinishReason::cancelled;
+  reqs_.resize(std::size_t(batch), free_row);
+  spine_.resize(std::size_t(batch) * std::size_t(d_ + 1), 0);
+  scratch_r_.resize(std::size_t(batch));
+  scratch_bonus_.resize(std::size_t(batch));
+  batch_ = batch;
+}
+
 void RoundState::set_draft(const std::int64_t* draft) {
   require_started("set_draft");
   for (int b = 0; b < batch_; ++b) {

@@ -1,6 +1,7 @@
 """Continuous batching: a decode whose rows are slots that requests take and leave between rounds.
 
-A serving decode has B rows (sized when it starts, at most the engine's max_batch). Every row starts free;
+A serving decode has B rows (sized when it starts; it grows, in powers of two up to the engine's max_batch,
+when more requests wait than rows are free). Every row starts free;
 ``Slots.readmit`` fills free rows from the scheduler's queue, each with its own prompt, sampling options,
 max_new_tokens and stop ids, and builds the outcome the method starts from: the running rows' last round
 (their features not yet absorbed) and the new rows' first tokens (their prompts absorbed here). The method's
@@ -25,8 +26,9 @@ class Slots:
     """The admission side of one serving decode (``Decoder.admission``), between the decoder and a
     scheduler (``take(n, fits)``, ``finished(req, reason)``, ``should_cancel(req)``, ``waiting()``)."""
 
-    def __init__(self, scheduler, batch: int):
-        self.scheduler, self.batch = scheduler, batch
+    def __init__(self, scheduler, batch: int, max_batch: int | None = None):
+        self.scheduler, self.batch, self.max_batch = scheduler, batch, max_batch or batch
+        self.fits = lambda req: True  # set by readmit: a request fits this decode's KV cache
         self.rows: dict[int, object] = {}   # row -> its request; changed only by readmit (lanes idle)
         self._ended: set[int] = set()       # requests already told they ended (by id)
         self.joins = 0                      # requests admitted while others were running
@@ -36,7 +38,9 @@ class Slots:
         return [b for b, req in list(self.rows.items()) if self.scheduler.should_cancel(req)]
 
     def should_pause(self, out: Outcome) -> bool:
-        return self.scheduler.waiting() > 0 and not bool(out.running.all())
+        """Pause when a request that fits waits and a row is free (or the batch may still grow)."""
+        room = not bool(out.running.all()) or self.batch < self.max_batch
+        return room and self.scheduler.waiting(self.fits) > 0
 
     # ------------------------------------------------------------------ the consumer
     def route(self, new: list[list[int]]) -> None:
@@ -69,16 +73,24 @@ class Slots:
         finished = np.asarray(state.finished(), dtype=bool)
         for b in [b for b in self.rows if finished[b]]:
             self._end(self.rows.pop(b), _REASONS.get(state.reason(b), "stop"))
-        free = [b for b in range(self.batch) if b not in self.rows]
-        new = self.scheduler.take(len(free), fits=lambda req: dec.target.max_len >= req.cache_need)
+        self.fits = lambda req: dec.target.max_len >= req.cache_need
+        B = self.batch
+        bonus = paused.bonus.clone() if paused is not None else torch.zeros(B, dtype=torch.long)
+        keep = paused.keep.clone() if paused is not None else torch.zeros(B, dtype=torch.long)
+        features = paused.features.clone() if paused is not None else torch.zeros(B, 1, dec.target.feature_dim)
+        want = len(self.rows) + self.scheduler.waiting(self.fits)
+        if want > B and B < self.max_batch:  # grow to the next power of two that holds them, at most max_batch
+            B = self.batch = min(self.max_batch, 1 << (want - 1).bit_length())
+            dec.grow(B)
+            grown = B - len(bonus)
+            bonus, keep = (torch.cat([t, t.new_zeros(grown)]) for t in (bonus, keep))
+            features = torch.cat([features, features.new_zeros(grown, *features.shape[1:])])
+        free = [b for b in range(B) if b not in self.rows]
+        new = self.scheduler.take(len(free), fits=self.fits)
         if not new and not self.rows:
             return None
         if dec.ring is not None:
             dec.ring.reset()  # a backbone filled a slot for the paused round: no one reads it now
-        B = self.batch
-        bonus = paused.bonus.clone() if paused is not None else torch.zeros(B, dtype=torch.long)
-        keep = paused.keep.clone() if paused is not None else torch.zeros(B, dtype=torch.long)
-        features = paused.features if paused is not None else torch.zeros(B, 1, dec.target.feature_dim)
         tokens: list[list[int]] = [[] for _ in range(B)]
         if self.rows:
             self.joins += len(new)

@@ -140,8 +140,12 @@ class Scheduler:
         self._wake.set()
         return req.handle
 
-    def waiting(self) -> int:
-        return len(self._waiting)
+    def waiting(self, fits=None) -> int:
+        """Requests waiting (those `fits` accepts, when given)."""
+        if fits is None:
+            return len(self._waiting)
+        with self._queue_lock:
+            return sum(1 for req in self._waiting if fits(req))
 
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Take no new requests; finish the queued and running ones (or cancel them), then stop the worker."""
@@ -214,14 +218,14 @@ class Scheduler:
 
     def _serve(self) -> None:
         """One continuous-batching decode: rows for the requests waiting now (rounded up to a power of two, at
-        most max_batch); later requests take rows that free up. It ends when no request runs or waits."""
+        most max_batch), growing when more wait than rows are free; it ends when no request runs or waits."""
         with self._queue_lock:
             waiting = list(self._waiting)
         if not waiting:
             return
         eng = self.engine
         batch = min(self.max_batch, 1 << (len(waiting) - 1).bit_length())
-        slots = Slots(self, batch)
+        slots = Slots(self, batch, self.max_batch)
         try:
             for new in eng.serve(slots, max(r.cache_need for r in waiting)):
                 slots.route(new)

@@ -57,6 +57,8 @@ class RoundState {
   std::int64_t admit(int b, std::int64_t prompt_len, std::int64_t first_token, std::int64_t max_new_tokens,
                      std::vector<std::int64_t> stop_ids);
   void retire(int b);
+  // Continuous batching: `batch` rows from now on (at least the current count); the new rows are free.
+  void grow(int batch);
   // One fused round: greedy acceptance of the spine's draft against target_argmax [batch, d+1], then
   // commit(). Finished requests get r = 0, bonus = spine[0], committed = 0.
   void step(const std::int64_t* target_argmax, int slot, std::int64_t* r_out, std::int64_t* bonus_out,

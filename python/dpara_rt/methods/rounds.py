@@ -220,26 +220,53 @@ class Decoder:
         self._markov_calls = 0
         self.warned_non_finite = False
         self.staging = self.cache = self.ring = None
-        self.ring_logits = True
+        self._staged, self._slots = {}, []
+        # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
+        self.ring_logits = opts.dpara_ring == "logits"
+        self._ring_capacity = ring_capacity
         self._markov_weights: tuple[Tensor, Tensor] | None = None
         if needs_drafter:
-            dev = drafter.device
-            feature_bytes = B * (self.d + 1) * target.feature_dim * target.dtype.itemsize
-            self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index)
             self.cache = drafter.new_context_cache(B, target.max_len)
-            # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
-            self.ring_logits = opts.dpara_ring == "logits"
-            row = drafter.config.vocab_size if self.ring_logits else drafter.config.hidden_size
-            self.ring = _core.BoundaryRing(ring_capacity, B, self.d, row,
-                                           str(drafter.dtype).removeprefix("torch."), self.drafter_lane.device_index)
             # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
-            self._markov_weights = tuple(w.to(dev) for w in drafter.markov_factors(markov))
-        # Torch views of the core's memory, made once: a DLPack round trip per use costs more than the head.
-        self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
-                        for region in ("rb", "draft", "features") for phase in (0, 1)} if needs_drafter else {}
-        self._slots = [slot_tensor(self.ring, i) for i in range(ring_capacity)] if needs_drafter else []
+            self._markov_weights = tuple(w.to(drafter.device) for w in drafter.markov_factors(markov))
+            self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
+
+    def _batch_buffers(self, B: int) -> None:
+        """The staging buffers and the boundary ring for B rows, with torch views of them made once (a DLPack
+        round trip per use costs more than the head)."""
+        target, drafter = self.target, self.drafter
+        feature_bytes = B * (self.d + 1) * target.feature_dim * target.dtype.itemsize
+        self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index)
+        row = drafter.config.vocab_size if self.ring_logits else drafter.config.hidden_size
+        self.ring = _core.BoundaryRing(self._ring_capacity, B, self.d, row, str(drafter.dtype).removeprefix("torch."),
+                                       self.drafter_lane.device_index)
+        self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
+                        for region in ("rb", "draft", "features") for phase in (0, 1)}
+        self._slots = [slot_tensor(self.ring, i) for i in range(self._ring_capacity)]
+
+    def grow(self, batch: int) -> None:
+        """Continuous batching, lanes idle: `batch` rows from now on, the new ones free. The target and the round
+        state grow in place; the drafter's context cache is copied into a larger one and the staging buffers and
+        the ring are rebuilt (nothing in them is read again)."""
+        B = self.state.batch()
+        self.state.grow(batch)
+        self.target.grow(batch)
+        pad = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+        self.opts = dataclasses.replace(self.opts, **{k: tuple(self.opts.per_row(k, B)) + (v,) * (batch - B)
+                                                      for k, v in pad.items()})
+        if isinstance(self.generator, list):
+            self.generator += [make_generator(0) for _ in range(batch - B)]
+        else:
+            self.generator = [self.generator] * batch  # rows draw from the batch's one stream, as before
+        self._head_options()
+        if self.drafter is not None:
+            old, self.cache = self.cache, self.drafter.new_context_cache(batch, self.cache.max_len)
+            self.cache.k[:, :B], self.cache.v[:, :B] = old.k, old.v
+            self.cache.lengths[:B] = old.lengths
+            self._batch_buffers(batch)
+            self._released = {region: [_core.Event(), _core.Event()] for region in self._released}
 
     def _head_options(self) -> None:
         # The Markov head takes one temperature and one seed: per-request ones run it once per row (greedy

@@ -212,6 +212,13 @@ class HFTarget(TargetBase):
         cache.crop(0)  # sliding-window layers drop what no later query can see
         return cache, z[0, -1], (f[0] if f is not None else self._no_features(1, len(p))[0])
 
+    def grow(self, batch: int) -> None:
+        """Continuous batching, between rounds: `batch` rows in use from now on; the new ones are empty."""
+        self._check_grow(batch)
+        self.caches += [self.model.new_cache() for _ in range(batch - self.batch)]
+        self._lengths[self.batch:batch] = 0
+        self.batch = batch
+
     @torch.no_grad()
     def prefill_row(self, b: int, prompt: list[int]) -> tuple[Tensor, Tensor]:
         """Continuous batching, between rounds: row b takes a new request (last logits [V], features [T, F])."""

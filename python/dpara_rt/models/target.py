@@ -101,6 +101,12 @@ class TargetBase:
         if self._last_t:
             raise RuntimeError(f"prefill_row({b}) while a verify of {self._last_t} tokens awaits its commit")
 
+    def _check_grow(self, batch: int) -> None:
+        if not isinstance(batch, int) or not self.batch <= batch <= self.max_batch:
+            raise ValueError(f"grow to {batch!r} rows: expected {self.batch}..{self.max_batch} (max_batch)")
+        if self._last_t:
+            raise RuntimeError(f"grow({batch}) while a verify of {self._last_t} tokens awaits its commit")
+
     def _no_features(self, B: int, T: int) -> Tensor:
         return torch.zeros(B, T, 0, dtype=self.dtype, device=self.device)
 
@@ -152,6 +158,12 @@ class Target(TargetBase):
         valid = (positions < prompt_lens[:, None]).to(dev)
         feats = self._features(feats, B, Tmax) * valid[..., None]
         return logits[:, 0], feats, prompt_lens
+
+    def grow(self, batch: int) -> None:
+        """Continuous batching, between rounds: `batch` rows in use from now on; the new ones are empty."""
+        self._check_grow(batch)
+        self.cache.lengths[self.batch:batch] = 0
+        self.batch = batch
 
     @torch.no_grad()
     def prefill_row(self, b: int, prompt: list[int]) -> tuple[Tensor, Tensor]:
