@@ -153,8 +153,8 @@ def cmd_demo(args):
     return 0
 
 
-def cmd_generate(args):
-    from dpara_rt.text import TextGenerator, TextTokenizer
+def _method_and_pair(args) -> dict:
+    """The Engine arguments of --method, after checking that --target / --drafter / --models fit together."""
     try:
         kw = variant(args.method)
     except ValueError as e:
@@ -165,6 +165,12 @@ def cmd_generate(args):
         raise CliError(f"--drafter {args.drafter} needs --target DIR, the model it drafts for")
     if args.target and needs_drafter(kw["method"]) and not args.drafter:
         raise CliError(f"--method {args.method} needs --drafter DIR with --target {args.target}; or use --method ar")
+    return kw
+
+
+def cmd_generate(args):
+    from dpara_rt.text import TextGenerator, TextTokenizer
+    kw = _method_and_pair(args)
     if not args.chat and (args.enable_thinking is not None or args.system is not None):
         raise CliError("--enable-thinking / --no-enable-thinking / --system apply to chat prompts; add --chat")
     tokenizer, target, drafter = _load_pair(args)
@@ -362,16 +368,7 @@ def cmd_serve(args):
     except ImportError as e:
         raise CliError(f"serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'dpara_rt[serve]'"
                        ) from None
-    try:
-        kw = variant(args.method)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    if args.target and args.models:
-        raise CliError(f"--models {args.models} and --target {args.target} both given; expected one pair")
-    if args.drafter and not args.target:
-        raise CliError(f"--drafter {args.drafter} needs --target DIR, the model it drafts for")
-    if args.target and needs_drafter(kw["method"]) and not args.drafter:
-        raise CliError(f"--method {args.method} needs --drafter DIR with --target {args.target}; or use --method ar")
+    kw = _method_and_pair(args)
     template = None
     if args.chat_template:
         try:
