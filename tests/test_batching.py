@@ -189,3 +189,30 @@ def test_batch_limit_comes_from_memory(pair):
         batch_for_memory(target, drafter, 1000, fraction=0)
     eng = _engine(pair, "dpara", max_batch=20)  # no fixed ceiling on the batch
     assert eng.target.max_batch == 20
+
+
+def test_a_failed_admission_ends_its_request_with_the_error(pair, monkeypatch):
+    """An error while a request joins reaches that request's handle (and the others'), not a hang."""
+    eng = _engine(pair, "dpara")
+    reqs = [_request(0, [5, 6, 7], 20), _request(1, [8, 9], 20)]
+    timeline = Timeline(eng, [(0, reqs[0]), (2, reqs[1])])
+    prefill = type(eng.target).prefill_row
+
+    def failing(self, b, prompt):
+        if prompt == [8, 9]:
+            raise RuntimeError("prefill failed for row %d" % b)
+        return prefill(self, b, prompt)
+    monkeypatch.setattr(type(eng.target), "prefill_row", failing)
+    slots = Slots(timeline, 2)
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        try:
+            for new in eng.serve(slots, 256):
+                timeline.rounds += 1
+                slots.route(new)
+        except RuntimeError as e:
+            slots.fail(e)
+            raise
+    assert timeline.ended == {0: "error", 1: "error"}
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        list(reqs[1].handle)
+    assert eng.generate([[5, 6, 7]], 4).tokens  # the engine stays usable

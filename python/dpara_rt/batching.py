@@ -94,10 +94,10 @@ class Slots:
         tokens: list[list[int]] = [[] for _ in range(B)]
         if self.rows:
             self.joins += len(new)
+        self.rows.update(zip(free, new))  # held before admission: if it fails, fail() tells these requests too
         for b, req in zip(free, new):
             tokens[b] = [self._admit(dec, b, req)]
             bonus[b], keep[b] = tokens[b][0], 0
-            self.rows[b] = req
         running = dec.running_mask()
         return Outcome(int(state.rounds()), torch.zeros(B, dtype=torch.long), bonus, tokens, features,
                        keep * running.long(), running, _core.Event())
