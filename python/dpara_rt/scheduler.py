@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import queue
 import secrets
 import threading
@@ -24,6 +25,7 @@ from dpara_rt.batching import Slots
 from dpara_rt.methods.rounds import is_int
 
 _END = object()
+_log = logging.getLogger("dpara_rt.scheduler")
 
 
 class QueueFull(RuntimeError):
@@ -212,7 +214,7 @@ class Scheduler:
             try:
                 self._serve()
             except Exception:  # noqa: BLE001 - every request the decode held has its error; serve the next ones
-                pass
+                _log.exception("a decode failed; its requests ended with the error, the scheduler goes on")
             if self.waiting():
                 self._wake.set()
 
