@@ -145,20 +145,8 @@ def test_bench_forwards_its_options_and_writes_records(tmp_path):
 @pytest.fixture(scope="module")
 def text_pair(tmp_path_factory):
     """A tiny Qwen3 target with a Qwen3-like tokenizer and chat template, and its drafter (see test_text)."""
-    from test_text import EOS, IM_END, VOCAB, predictable_pair, write_tokenizer
-    try:
-        from dpara_rt.models.drafter_io import save_drafter
-    except ImportError:
-        from dpara_rt.models.drafter import save_drafter
-    from dpara_rt.models.loader import save_qwen3
-
-    target, drafter = predictable_pair(vocab=VOCAB, eos=EOS)
-    root = tmp_path_factory.mktemp("text_pair")
-    save_qwen3(target, root / "target")
-    write_tokenizer(root / "target")
-    (root / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, IM_END]}))
-    save_drafter(drafter, root / "drafter")
-    return root / "target", root / "drafter"
+    from test_text import write_text_pair
+    return write_text_pair(tmp_path_factory.mktemp("text_pair"))
 
 
 def run_main(capsys, *args):
@@ -293,7 +281,7 @@ def test_convert_errors_are_one_line(tmp_path, text_pair, capsys):
 
 def test_convert_a_dflash_drafter_then_check_and_generate_with_it(text_pair, tmp_path, capsys):
     """`convert dflash` writes a dpara_rt drafter that `info` accepts and `generate` decodes with, losslessly."""
-    dflash_model = pytest.importorskip("dflash.model", reason="the DFlash reference: pip install --no-deps dflash")
+    import dflash.model as dflash_model
     import torch
     from transformers import Qwen3Config
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import dflash.model as dflash_model  # the reference; .ci/run installs it (pip install --no-deps dflash==0.1.0)
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,6 @@ from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.convert import UnsupportedCheckpoint, convert
 from dpara_rt.models.drafter_io import checkpoint_format, load_drafter, read_drafter_config
 from dpara_rt.models.target import Target
-
-dflash_model = pytest.importorskip("dflash.model", reason="the DFlash reference: pip install --no-deps dflash")
 
 BLOCK = 4          # DFlash block: anchor + 3 mask rows, i.e. d = 3 drafts
 MASK_TOKEN = 511

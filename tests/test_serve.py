@@ -17,16 +17,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+import openai
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-
-from dpara_rt.engine import Engine  # noqa: E402
-from dpara_rt.scheduler import Scheduler  # noqa: E402
-from dpara_rt.serve import ServerThread, create_app  # noqa: E402
+from dpara_rt.engine import Engine
+from dpara_rt.scheduler import Scheduler
+from dpara_rt.serve import ServerThread, create_app
 
 MODEL = "tiny"
 TEXT = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"

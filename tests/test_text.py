@@ -70,22 +70,23 @@ def tokenizer(tmp_path_factory):
     return TextTokenizer.from_dir(write_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-@pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    """A tiny Qwen3 target (saved with save_qwen3, tokenizer beside it) and its drafter (save_drafter)."""
-    try:
-        from dpara_rt.models.drafter_io import save_drafter
-    except ImportError:  # before the checkpoint code moved to drafter_io
-        from dpara_rt.models.drafter import save_drafter
+def write_text_pair(root):
+    """A tiny Qwen3 target (saved with save_qwen3, tokenizer beside it) and its drafter (save_drafter) under
+    `root`: (target dir, drafter dir)."""
+    from dpara_rt.models.drafter_io import save_drafter
     from dpara_rt.models.loader import save_qwen3
 
     target, drafter = predictable_pair(vocab=VOCAB, eos=EOS)
-    root = tmp_path_factory.mktemp("pair")
     save_qwen3(target, root / "target")
     write_tokenizer(root / "target")
     (root / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, IM_END]}))
     save_drafter(drafter, root / "drafter")
     return root / "target", root / "drafter"
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return write_text_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,6 @@ def test_chat_template_with_and_without_enable_thinking(tokenizer):
 
 
 def test_chat_template_renders_as_transformers_does(tokenizer):
-    pytest.importorskip("jinja2")
     from transformers.utils.chat_template_utils import render_jinja_template
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},

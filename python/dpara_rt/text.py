@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from dpara_rt.jsonfile import read_json_object
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -38,13 +40,7 @@ class TextError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- files
 def _read_json(path: Path) -> dict:
-    try:
-        blob = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TextError(f"{str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(blob, dict):
-        raise TextError(f"{str(path)!r} holds a JSON {type(blob).__name__}; expected an object")
-    return blob
+    return read_json_object(path, error=TextError)
 
 
 def _token_text(value) -> str | None:

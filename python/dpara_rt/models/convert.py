@@ -10,13 +10,13 @@ with one line naming the field; a standalone confidence head is dropped with a w
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
 
 from torch import Tensor
 
+from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.drafter import DrafterConfig
 from dpara_rt.models.qwen3 import ARCHITECTURE, Qwen3Config
 
@@ -30,22 +30,21 @@ class UnsupportedCheckpoint(ValueError):
     """A published checkpoint that uses something dpara_rt has no counterpart for."""
 
 
-def _read_json(path: Path) -> dict:
+def _read_config(path) -> dict:
+    file = Path(path) / "config.json"
     try:
-        d = json.loads(path.read_text())
+        return read_json_object(file)
     except FileNotFoundError:
-        raise ValueError(f"no drafter checkpoint at {path.parent}: expected drafter_config.json (dpara_rt) or a "
+        raise ValueError(f"no drafter checkpoint at {path}: expected drafter_config.json (dpara_rt) or a "
                          "DSpark / DFlash config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} holds a {type(d).__name__}; expected a JSON object")
-    return d
 
 
 def source_format(path) -> str:
     """'dspark' or 'dflash' for a published drafter directory."""
-    d = _read_json(Path(path) / "config.json")
+    return _kind(_read_config(path), path)
+
+
+def _kind(d: dict, path) -> str:
     archs = " ".join(d.get("architectures") or [])
     if "DSpark" in archs or "markov_rank" in d:
         return "dspark"
@@ -93,8 +92,8 @@ def _dflash_default_layers(num_target_layers: int, k: int) -> list[int]:
 
 def source_config(path) -> tuple[str, DrafterConfig, dict]:
     """(kind, our config, the raw config.json) of a DSpark or DFlash directory."""
-    kind = source_format(path)
-    d = _read_json(Path(path) / "config.json")
+    d = _read_config(path)
+    kind = _kind(d, path)
     c = _backbone(d, kind)
     if kind == "dspark":
         rank = int(d.get("markov_rank", 0))
@@ -185,8 +184,8 @@ def read_source(path, with_weights: bool = False):
         warnings.warn(f"{kind} checkpoint {path}: dropped its standalone confidence head ({', '.join(dropped)}); "
                       "dpara_rt verifies every drafted token", stacklevel=3)
     if config.markov_rank == 0:  # no head: empty factors keep the state dict shape-complete
-        state["w1"] = tensors[next(iter(tensors))].new_zeros(config.vocab_size, 0)
-        state["w2"] = tensors[next(iter(tensors))].new_zeros(0, config.vocab_size)
+        like = next(iter(tensors.values()))
+        state["w1"], state["w2"] = like.new_zeros(config.vocab_size, 0), like.new_zeros(0, config.vocab_size)
     return config, state, own
 
 

@@ -16,7 +16,6 @@ Rows have ragged lengths, so each row owns a ``DynamicCache`` and the rows of a 
 from __future__ import annotations
 
 import inspect
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.loader import CheckpointError, _generation_eos, load_qwen3, resolve_device, resolve_dtype
 from dpara_rt.models.qwen3 import MODEL_TYPE as QWEN3, Qwen3Config
 from dpara_rt.models.target import Target, TargetBase
@@ -268,13 +268,7 @@ def _read_config(root: Path) -> dict:
     file = root / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{str(root)!r} has no config.json; expected a Hugging Face model directory")
-    try:
-        d = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"config file {str(file)!r} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"config file {str(file)!r} holds a {type(d).__name__}; expected a JSON object")
-    return d
+    return read_json_object(file, "config file", CheckpointError)
 
 
 def _checkpoint_dtype(d: dict) -> torch.dtype:

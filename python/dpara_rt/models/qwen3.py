@@ -6,7 +6,6 @@ query attends to cache slots 0..its own position; the caller decides what is com
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.kv_cache import KVCache
 
 MODEL_TYPE = "qwen3"
@@ -103,12 +103,7 @@ class Qwen3Config:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; expected a Hugging Face config.json")
-        try:
-            d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"config file {str(path)!r} holds a {type(d).__name__}; expected a JSON object")
+        d = read_json_object(path, "config file")
         try:
             return cls.from_dict(d)
         except ValueError as e:
