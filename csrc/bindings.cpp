@@ -314,13 +314,13 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<BoundaryRing>(m, "BoundaryRing")
       .def(py::init([](const py::object& capacity, const py::object& batch, const py::object& d,
-                       const py::object& vocab, const std::string& dtype, const py::object& device) {
+                       const py::object& vocab, const std::string& dtype, const py::object& device, bool shared) {
              return new BoundaryRing(as_int(capacity, "capacity"), as_int(batch, "batch"), as_int(d, "d"),
                                      int_arg(vocab, "vocab", INT64_MIN, INT64_MAX), parse_dtype(dtype),
-                                     as_int(device, "device"));
+                                     as_int(device, "device"), shared);
            }),
            py::arg("capacity"), py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("dtype") = "float32",
-           py::arg("device") = -1)
+           py::arg("device") = -1, py::arg("shared") = false)
       .def("acquire", [](BoundaryRing& ring, const py::object& lane) {
              Event guard;
              const int slot = ring.acquire_nowait(&guard);
@@ -355,15 +355,18 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("device", &BoundaryRing::device)
       .def_property_readonly("slot_elems", &BoundaryRing::slot_elems)
       .def_property_readonly("row_elems", &BoundaryRing::row_elems)
-      .def_property_readonly("data_ptr", [](const BoundaryRing& r) { return reinterpret_cast<std::uintptr_t>(r.data()); });
+      .def_property_readonly("data_ptr", [](const BoundaryRing& r) { return reinterpret_cast<std::uintptr_t>(r.data()); })
+      .def_property_readonly("shared_fd", &BoundaryRing::shared_fd, "The memfd a worker process maps, or -1.")
+      .def_property_readonly("nbytes", &BoundaryRing::nbytes);
 
   py::class_<Staging>(m, "Staging")
       .def(py::init([](const py::object& batch, const py::object& d, const py::object& feature_bytes,
-                       const py::object& device) {
+                       const py::object& device, bool shared) {
              const auto bytes = int_arg(feature_bytes, "feature_bytes", 0, std::int64_t(Staging::kMaxFeatureBytes));
-             return new Staging(as_int(batch, "batch"), as_int(d, "d"), std::size_t(bytes), as_int(device, "device"));
+             return new Staging(as_int(batch, "batch"), as_int(d, "d"), std::size_t(bytes), as_int(device, "device"),
+                                shared);
            }),
-           py::arg("batch"), py::arg("d"), py::arg("feature_bytes"), py::arg("device") = -1)
+           py::arg("batch"), py::arg("d"), py::arg("feature_bytes"), py::arg("device") = -1, py::arg("shared") = false)
       .def("view", [](const Staging& s, const std::string& region, int phase) {
              return s.view(parse_staging_region(region), phase);
            }, py::arg("region"), py::arg("phase"))
@@ -384,6 +387,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("d", &Staging::d)
       .def_property_readonly("feature_bytes", &Staging::feature_bytes)
       .def_property_readonly("pinned", &Staging::pinned)
+      .def("offset", [](const Staging& s, const std::string& region, int phase) {
+             return s.offset(parse_staging_region(region), phase);
+           }, py::arg("region"), py::arg("phase"), "Bytes from the buffer's start to a region's phase.")
+      .def_property_readonly("shared_fd", &Staging::shared_fd, "The memfd a worker process maps, or -1.")
+      .def_property_readonly("nbytes", &Staging::nbytes)
       .def_property_readonly("device", &Staging::device);
 
   m.def("greedy_accept", [](const I64Array& draft, const I64Array& target_argmax) {
@@ -401,7 +409,8 @@ PYBIND11_MODULE(_core, m) {
                                std::int64_t n_rows, int d, std::int64_t vocab, const I64Array& r,
                                const I64Array& bonus, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,
                                double temperature, std::uint64_t seed, std::uint64_t offset,
-                               const py::object& draft_out, std::uintptr_t q_ptr) {
+                               const py::object& draft_out, std::uintptr_t q_ptr, std::uintptr_t w2t_ptr,
+                               std::uintptr_t w2_norms_ptr) {
         const DType dtype = parse_dtype(boundary_dtype);
         const std::int64_t* r_data = expect_shape(r, {batch}, "r");
         const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
@@ -412,12 +421,15 @@ PYBIND11_MODULE(_core, m) {
         markov_head_host(reinterpret_cast<const void*>(boundary_ptr), dtype, batch, n_rows, d, vocab, row_stride,
                          r_data, bonus_data, reinterpret_cast<const float*>(w1_ptr),
                          reinterpret_cast<const float*>(w2_ptr), rank, temperature, seed, offset, draft,
-                         reinterpret_cast<float*>(q_ptr));
+                         reinterpret_cast<float*>(q_ptr), reinterpret_cast<const float*>(w2t_ptr),
+                         reinterpret_cast<const float*>(w2_norms_ptr));
       }, py::arg("boundary_ptr"), py::arg("boundary_dtype"), py::arg("batch"), py::arg("n_rows"), py::arg("d"),
       py::arg("vocab"), py::arg("r"), py::arg("bonus"), py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("rank"),
       py::arg("temperature"), py::arg("seed"), py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"),
+      py::arg("w2t_ptr") = 0, py::arg("w2_norms_ptr") = 0,
       "Host Markov head over contiguous boundary [B, n_rows, d, V] and float32 W1 [V, R], W2 [R, V]: writes "
-      "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy).");
+      "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy). w2t_ptr / "
+      "w2_norms_ptr: W2 transposed [V, R] and its column norms (rounded up) for bound-pruned greedy steps, or 0.");
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
 

@@ -7,6 +7,8 @@ then accepted often but not always, so rounds see every acceptance length.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from dpara_rt.models.drafter import Drafter, DrafterConfig
@@ -45,3 +47,23 @@ def predictable_pair(vocab: int = 64, hidden: int = 64, layers: int = 4, inter: 
         drafter.w2.copy_(torch.eye(vocab))
     drafter.eval().requires_grad_(False)
     return target, drafter
+
+
+class FlakyDrafter(Drafter):
+    """A drafter whose boundary forward raises on its `fail_at`-th call and works otherwise. Each copy counts its
+    own calls, so the failure happens wherever the forwards run, a drafter worker process included."""
+    fail_at = 0
+
+    def boundary_logits(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected backbone failure")
+        return super().boundary_logits(*args, **kwargs)
+
+
+def flaky(drafter: Drafter, fail_at: int) -> FlakyDrafter:
+    """`drafter`'s weights (shared, not copied) in a FlakyDrafter."""
+    out = copy.copy(drafter)
+    out.__class__ = FlakyDrafter
+    out.fail_at = fail_at
+    return out

@@ -10,7 +10,7 @@ from dpara_rt.engine import Engine
 from dpara_rt.methods import AUTO_CANDIDATES, VARIANTS, variant, variant_name
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
-from engine_pairs import predictable_pair
+from engine_pairs import flaky, predictable_pair
 
 SPEC = ["dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-hidden"]
 
@@ -180,24 +180,15 @@ def test_auto_picks_a_method_per_batch_size_and_stays_exact(pair):
         assert out.stats.method == f"auto({eng.auto_choices[batch]})"
 
 
-def test_a_failing_round_surfaces_and_leaves_the_engine_usable(pair, monkeypatch):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_failing_round_surfaces_and_leaves_the_engine_usable(pair, worker):
     target, drafter = pair
-    eng = Engine(target, drafter, method="dpara", d=4)
+    eng = Engine(target, flaky(drafter, fail_at=3), method="dpara", d=4, drafter_worker=worker)
     prompts = prompts_for(3, seed=13)
-    calls = {"n": 0}
-    real = type(drafter).boundary_logits
-
-    def flaky(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected backbone failure")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(drafter), "boundary_logits", flaky)
     with pytest.raises(RuntimeError, match="injected backbone failure"):
         eng.generate(prompts, 30)
-    monkeypatch.setattr(type(drafter), "boundary_logits", real)
     assert eng.generate(prompts, 30).tokens == ar_reference(target, prompts, 30)
+    eng.close()
 
 
 def test_abandoning_a_stream_stops_the_rounds(pair):

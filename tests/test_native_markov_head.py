@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from dpara_rt import _core  # noqa: E402
 from dpara_rt.kernels import _rng  # noqa: E402
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton  # noqa: E402
-from dpara_rt.native import markov_head_native  # noqa: E402
+from dpara_rt.native import MarkovBound, markov_bound, markov_head_native  # noqa: E402
 
 SEED, OFFSET = 11, (1 << 32) + 5  # an offset with both 32-bit words set
 
@@ -86,6 +86,53 @@ def test_ties_pick_the_lowest_index_like_the_reference():
     w2 = torch.randint(-1, 2, (rank, vocab), generator=g).float()
     assert torch.equal(markov_head_native(boundary, r, bonus, w1, w2)[0],
                        markov_head_reference(boundary, r, bonus, w1, w2)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [1, 5, 128])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bound_pruned_greedy_drafts_are_the_full_heads(batch, rank, dtype):
+    """With a MarkovBound the greedy head computes exact values only for tokens the Cauchy-Schwarz bound leaves
+    in reach: the drafts are the full head's. A trained head (small bias against the logit spread) prunes most
+    tokens; a large random bias prunes few; both must agree."""
+    for scale, seed in ((0.2, 1), (3.0, 2)):
+        boundary, r, bonus, w1, w2 = _inputs(batch, 3, 7, 4099, rank, dtype, seed=seed)
+        w2 = (w2 * scale).contiguous()
+        full = markov_head_native(boundary, r, bonus, w1, w2)[0]
+        assert torch.equal(markov_head_native(boundary, r, bonus, w1, w2, bound=markov_bound(w2))[0], full)
+        assert torch.equal(full, markov_head_reference(boundary, r, bonus, w1, w2)[0])
+
+
+def test_bound_pruned_ties_nan_and_infinite_rows_match_the_full_head():
+    g = torch.Generator().manual_seed(3)
+    batch, n_rows, d, vocab, rank = 4, 2, 5, 2500, 3
+    boundary = torch.randint(0, 3, (batch, n_rows, d, vocab), generator=g).float()
+    boundary[0, :, 1] = float("-inf")             # a row with no finite logit
+    boundary[1, :, 2, ::7] = float("nan")         # NaN is never drafted
+    r = torch.randint(0, n_rows, (batch,), generator=g)
+    bonus = torch.randint(0, vocab, (batch,), generator=g)
+    w1 = torch.randint(-1, 2, (vocab, rank), generator=g).float()
+    w2 = torch.randint(-1, 2, (rank, vocab), generator=g).float()
+    want = markov_head_native(boundary, r, bonus, w1, w2)[0]
+    assert torch.equal(markov_head_native(boundary, r, bonus, w1, w2, bound=markov_bound(w2))[0], want)
+    zero = torch.zeros(rank, vocab)  # a head without bias (markov_rank 0): the arg-max of the logits
+    assert torch.equal(markov_head_native(boundary, r, bonus, w1, zero, bound=markov_bound(zero))[0],
+                       markov_head_native(boundary, r, bonus, w1, zero)[0])
+
+
+def test_bound_is_used_when_greedy_and_ignored_when_sampling():
+    boundary, r, bonus, w1, w2 = _inputs(2, 3, 4, 300, 8, seed=9)
+    good = markov_bound(w2)
+    # A bound whose transpose lies: the greedy drafts change, so the pruned path really runs ...
+    lying = MarkovBound(w2, torch.zeros_like(good.w2t), good.norms)
+    assert not torch.equal(markov_head_native(boundary, r, bonus, w1, w2, bound=lying)[0],
+                           markov_head_native(boundary, r, bonus, w1, w2)[0])
+    # ... and sampling, which needs every token's value, never reads it
+    draft, q = markov_head_native(boundary, r, bonus, w1, w2, 0.8, SEED, OFFSET, bound=lying)
+    want, q_want = markov_head_native(boundary, r, bonus, w1, w2, 0.8, SEED, OFFSET)
+    assert torch.equal(draft, want) and torch.equal(q, q_want)
+    with pytest.raises(ValueError, match="bound was built for another W2"):
+        markov_head_native(boundary, r, bonus, w1, w2.clone(), bound=good)
 
 
 def test_sampled_draft_equals_triton():

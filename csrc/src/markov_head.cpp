@@ -155,6 +155,7 @@ DPARA_RT_HOT void load_row(float* out, const void* src, DType dtype, std::int64_
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float F8 __attribute__((vector_size(32)));
 typedef std::int32_t I8 __attribute__((vector_size(32)));
+constexpr I8 kZeroI8 = {0, 0, 0, 0, 0, 0, 0, 0};
 
 DPARA_RT_INLINE F8 load8(const float* p) {
   F8 v;
@@ -341,6 +342,51 @@ DPARA_RT_HOT std::int64_t step(float* z, const float* noise, const float* a, con
   return best.index();
 }
 
+// One token's exact value z[v] + a @ W2[:, v] for step(), from W2's transpose (w2t row v = W2[:, v]), with
+// the same expression per element as step(), so a clone rounds (and contracts into FMAs) the same way.
+DPARA_RT_INLINE float exact_value(float z, const float* a, const float* w, std::int64_t rank) {
+  float acc = 0.0f;
+  std::int64_t k = 0;
+  for (; k + 4 <= rank; k += 4) acc += a[k] * w[k] + a[k + 1] * w[k + 1] + a[k + 2] * w[k + 2] + a[k + 3] * w[k + 3];
+  for (; k < rank; ++k) acc += a[k] * w[k];
+  return (z + acc) * 1.0f;
+}
+
+// Greedy step() without the full product: since |a @ W2[:, v]| <= |a| |W2[:, v]| (Cauchy-Schwarz), only a
+// token whose z plus that bound reaches the best exact value found so far can be the arg-max, and only those
+// get their exact value (a few percent of the vocabulary for a trained head). norms[v] >= |W2[:, v]| (rounded
+// up); the bound is widened by the float32 rounding of the exact sum, so the result is step()'s arg-max.
+DPARA_RT_HOT std::int64_t step_pruned(const float* z, const float* a, const float* w2t, const float* norms,
+                                      std::int64_t rank, std::int64_t vocab) {
+  double sq = 0.0;
+  for (std::int64_t k = 0; k < rank; ++k) sq += double(a[k]) * double(a[k]);
+  const float a_norm = float(std::sqrt(sq) * (1.0 + 1e-4));  // covers the sum's rounding (rank * 2^-24 << 1e-4)
+  ArgMax first;  // start from the largest z: its exact value makes a good first bar
+  std::int64_t v = 0;
+  for (; v + 8 <= vocab; v += 8) first.push8(load8(z + v), v);
+  for (; v < vocab; ++v) first.push1(z[v], v);
+  std::int64_t best_idx = first.index();
+  float best = exact_value(z[best_idx], a, w2t + best_idx * rank, rank);
+  const auto consider = [&](std::int64_t u) {
+    const float e = exact_value(z[u], a, w2t + u * rank, rank);
+    if (e > best || (e == best && u < best_idx)) best = e, best_idx = u;
+  };
+  const float rel = 1e-5f;  // the final z + acc rounding, relative to |z| + |acc|
+  for (v = 0; v + 8 <= vocab; v += 8) {
+    const F8 zv = load8(z + v), bound = load8(norms + v) * a_norm;
+    const F8 mag = (zv > 0 ? zv : -zv) + bound;
+    const I8 reach = (zv + bound + mag * rel) >= best;
+    if (std::memcmp(&reach, &kZeroI8, sizeof reach) == 0) continue;
+    for (int l = 0; l < 8; ++l)
+      if (reach[l] && v + l != best_idx) consider(v + l);
+  }
+  for (; v < vocab; ++v) {
+    const float bound = norms[v] * a_norm;
+    if (z[v] + bound + (std::fabs(z[v]) + bound) * rel >= best && v != best_idx) consider(v);
+  }
+  return best_idx;
+}
+
 // In-place softmax of one row, as torch computes it: max, exp(z - max) and their sum, times 1/sum.
 DPARA_RT_HOT void softmax_row(float* q, std::int64_t n) {
   F8 m8 = F8{} - std::numeric_limits<float>::infinity();
@@ -434,11 +480,13 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
-                      std::uint64_t offset, std::int64_t* draft_out, float* q_out) {
+                      std::uint64_t offset, std::int64_t* draft_out, float* q_out, const float* w2t,
+                      const float* w2_norms) {
   check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
              draft_out, q_out);
   if (batch == 0) return;
   const bool sample = temperature > 0;
+  const bool pruned = !sample && w2t && w2_norms;
   // float32(1/T) exactly as kernels/markov_head.py's inverse_temperature rounds it
   const float scale = sample ? float(1.0 / temperature) : 1.0f;
   const PhiloxKey key(offset, seed);
@@ -470,7 +518,9 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
         rows[i].noise = sample ? own : nullptr;
         rows[i].a = w1 + x[i] * rank;
       }
-      if (count == 1) {
+      if (pruned) {
+        for (int i = 0; i < count; ++i) x[i] = step_pruned(rows[i].z, rows[i].a, w2t, w2_norms, rank, vocab);
+      } else if (count == 1) {
         x[0] = step(rows[0].z, rows[0].noise, rows[0].a, w2, rank, vocab, scale);
       } else {
         step_rows(rows, count, tile, w2, rank, vocab, scale);

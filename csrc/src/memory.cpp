@@ -1,8 +1,14 @@
 #include "dpara_rt/memory.h"
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "cuda_internal.h"
 #include "dpara_rt/dlpack.h"
@@ -12,11 +18,44 @@ namespace dpara_rt {
 
 namespace {
 
-void free_block(MemoryKind kind, void* p, int device) {
+// n bytes of a fresh memfd mapped MAP_SHARED (zero-filled by the kernel); *fd receives the memfd.
+void* map_shared(std::size_t n, int* fd) {
+#ifdef __linux__
+  const int f = ::memfd_create("dpara_rt", MFD_CLOEXEC);
+  if (f < 0) detail::runtime_error("memfd_create for ", n, " bytes of shared host memory failed: ", std::strerror(errno));
+  if (::ftruncate(f, off_t(n)) != 0) {
+    const int e = errno;
+    ::close(f);
+    detail::runtime_error("sizing shared host memory to ", n, " bytes failed: ", std::strerror(e));
+  }
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+  if (p == MAP_FAILED) {
+    const int e = errno;
+    ::close(f);
+    detail::runtime_error("mapping ", n, " bytes of shared host memory failed: ", std::strerror(e));
+  }
+  *fd = f;
+  return p;
+#else
+  (void)n;
+  (void)fd;
+  detail::runtime_error("shared host memory needs Linux (memfd_create); this platform has none");
+#endif
+}
+
+void free_block(MemoryKind kind, void* p, int device, std::size_t mapped, int fd) {
   switch (kind) {
     case MemoryKind::host: std::free(p); break;
     case MemoryKind::host_pinned: detail::cuda_host_free(p); break;
     case MemoryKind::device: detail::cuda_free(p, device); break;
+    case MemoryKind::host_shared:
+#ifdef __linux__
+      ::munmap(p, mapped);
+      ::close(fd);
+#endif
+      (void)mapped;
+      (void)fd;
+      break;
   }
 }
 
@@ -33,18 +72,22 @@ Buffer::Buffer(MemoryKind kind, std::size_t bytes, int device)
       break;
     case MemoryKind::host_pinned: data_ = detail::cuda_host_alloc(n); break;
     case MemoryKind::device: data_ = detail::cuda_malloc(n, device); break;
+    case MemoryKind::host_shared:
+      data_ = map_shared(n, &fd_);
+      mapped_ = n;
+      return;  // a new memfd reads as zeros already
   }
   // A constructor that throws runs no destructor: free the block here, or it leaks.
   try {
     if (kind == MemoryKind::device) detail::cuda_memset_zero(data_, n, device);
     else std::memset(data_, 0, n);
   } catch (...) {
-    free_block(kind_, data_, device_);
+    free_block(kind_, data_, device_, mapped_, fd_);
     throw;
   }
 }
 
-Buffer::~Buffer() { free_block(kind_, data_, device_); }
+Buffer::~Buffer() { free_block(kind_, data_, device_, mapped_, fd_); }
 
 std::int64_t TensorView::numel() const {
   std::int64_t n = 1;

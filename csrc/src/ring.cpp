@@ -31,7 +31,7 @@ std::size_t ring_bytes(int capacity, int batch, int d, std::int64_t vocab, DType
 }  // namespace
 
 
-BoundaryRing::BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, DType dtype, int device)
+BoundaryRing::BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, DType dtype, int device, bool shared)
     : capacity_(capacity), batch_(batch), d_(d), vocab_(vocab), dtype_(dtype), device_(device) {
   if (capacity < 1) detail::value_error("ring capacity must be >= 1, got ", capacity);
   if (batch < 1) detail::value_error("ring batch must be >= 1, got ", batch);
@@ -40,8 +40,12 @@ BoundaryRing::BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, D
   if (dtype != DType::float32 && dtype != DType::bfloat16 && dtype != DType::float16)
     detail::value_error("ring dtype must be float32, bfloat16 or float16, got '", dtype_name(dtype), "'");
   if (device < -1) detail::value_error("ring device must be -1 (host) or a CUDA device index, got ", device);
+  if (shared && device >= 0)
+    detail::value_error("a shared ring lives in host memory for a drafter process: device must be -1, got ", device);
   const std::size_t bytes = ring_bytes(capacity, batch, d, vocab, dtype);
-  if (device >= 0) {
+  if (shared) {
+    buf_ = std::make_shared<Buffer>(MemoryKind::host_shared, bytes);
+  } else if (device >= 0) {
     detail::require_cuda_device(device, "a boundary ring");
     buf_ = std::make_shared<Buffer>(MemoryKind::device, bytes, device);
   } else {

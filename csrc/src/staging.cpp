@@ -21,7 +21,7 @@ const char* staging_region_name(StagingRegion r) {
   return "?";
 }
 
-Staging::Staging(int batch, int d, std::size_t feature_bytes, int device)
+Staging::Staging(int batch, int d, std::size_t feature_bytes, int device, bool shared)
     : batch_(batch), d_(d), feature_bytes_(feature_bytes), device_(device) {
   if (batch < 1) detail::value_error("staging batch must be >= 1, got ", batch);
   detail::check_draft_length(d, "staging");
@@ -35,7 +35,11 @@ Staging::Staging(int batch, int d, std::size_t feature_bytes, int device)
   offset_[1] = detail::align_up(bytes(StagingRegion::rb), a);
   offset_[2] = offset_[1] + detail::align_up(bytes(StagingRegion::draft), a);
   phase_bytes_ = offset_[2] + detail::align_up(feature_bytes, a);
-  if (device >= 0) {
+  if (shared && device >= 0)
+    detail::value_error("shared staging lives in host memory for a drafter process: device must be -1, got ", device);
+  if (shared) {
+    buf_ = std::make_shared<Buffer>(MemoryKind::host_shared, kPhases * phase_bytes_);
+  } else if (device >= 0) {
     detail::require_cuda_device(device, "pinned staging buffers");
     buf_ = std::make_shared<Buffer>(MemoryKind::host_pinned, kPhases * phase_bytes_);
   } else {
@@ -57,9 +61,12 @@ std::size_t Staging::bytes(StagingRegion region) const {
   return 0;
 }
 
+std::size_t Staging::offset(StagingRegion region, int phase) const {
+  return std::size_t(check_phase(phase)) * phase_bytes_ + offset_[std::size_t(region)];
+}
+
 void* Staging::data(StagingRegion region, int phase) const {
-  return static_cast<char*>(buf_->data()) + std::size_t(check_phase(phase)) * phase_bytes_ +
-         offset_[std::size_t(region)];
+  return static_cast<char*>(buf_->data()) + offset(region, phase);
 }
 
 TensorView Staging::view(StagingRegion region, int phase) const {

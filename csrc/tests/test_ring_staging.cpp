@@ -6,6 +6,12 @@
 #include <thread>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
+
 #include "check.h"
 #include "dpara_rt/dlpack.h"
 #include "dpara_rt/ring.h"
@@ -166,6 +172,32 @@ static void test_ring_and_staging_on_device() {
   CHECK(got[0] == values[2 * ring.row_elems()] && ring.state(slot) == SlotState::free);
 }
 
+// Shared ring and staging: another process maps the memfd and writes; this one reads the bytes in place.
+static void test_shared_memory_across_processes() {
+#ifdef __linux__
+  BoundaryRing ring(2, 1, 3, 8, DType::float32, -1, /*shared=*/true);
+  Staging staging(2, 3, 40, -1, /*shared=*/true);
+  CHECK(ring.shared_fd() >= 0 && staging.shared_fd() >= 0);
+  CHECK(BoundaryRing(2, 1, 3, 8, DType::float32).shared_fd() == -1);
+  CHECK_THROWS(BoundaryRing(2, 1, 3, 8, DType::float32, 0, true), std::invalid_argument, "device must be -1, got 0");
+  CHECK_THROWS(Staging(2, 3, 40, 0, true), std::invalid_argument, "device must be -1, got 0");
+  const std::size_t ring_bytes = ring.nbytes(), feat_offset = staging.offset(StagingRegion::features, 1);
+  const pid_t pid = fork();
+  if (pid == 0) {  // the child maps by fd alone, as a drafter worker process does
+    void* r = mmap(nullptr, ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, ring.shared_fd(), 0);
+    void* s = mmap(nullptr, staging.nbytes(), PROT_READ | PROT_WRITE, MAP_SHARED, staging.shared_fd(), 0);
+    if (r == MAP_FAILED || s == MAP_FAILED) _exit(2);
+    static_cast<float*>(r)[ring.slot_elems() + 5] = 2.5f;       // slot 1, element 5
+    static_cast<unsigned char*>(s)[feat_offset + 3] = 0xAB;     // features, phase 1, byte 3
+    _exit(0);
+  }
+  int status = -1;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(static_cast<const float*>(ring.data())[ring.slot_elems() + 5] == 2.5f);
+  CHECK(static_cast<const unsigned char*>(staging.data(StagingRegion::features, 1))[3] == 0xAB);
+#endif
+}
+
 int main() {
   test_ring_cycle_and_refusal();
   test_ring_illegal_transitions();
@@ -173,5 +205,6 @@ int main() {
   test_ring_events_guard_slots();
   test_staging();
   test_ring_and_staging_on_device();
+  test_shared_memory_across_processes();
   return check::finish("test_ring_staging");
 }

@@ -109,21 +109,8 @@ class Slots:
         first = dec.pick_row(b, logits)
         dec.state.admit(b, len(req.prompt), first, req.max_new_tokens, list(req.stop_ids))
         if dec.drafter is not None:
-            dec.chain.run_now(dec.drafter_lane, "context", lambda: self._context(dec, b, feats))
+            dec.chain.run_now(dec.drafter_lane, "context", lambda: dec.context.reset_row(b, feats))
         return first
-
-    @staticmethod
-    def _context(dec: Decoder, b: int, feats: torch.Tensor) -> None:
-        """The drafter's context row b: emptied, then the prompt's features."""
-        cache, drafter = dec.cache, dec.drafter
-        lengths = cache.lengths.clone()
-        lengths[b] = 0
-        drafter.crop(cache, lengths)
-        rows = torch.zeros(cache.batch, feats.shape[0], feats.shape[1], dtype=feats.dtype, device=feats.device)
-        rows[b] = feats
-        n = torch.zeros(cache.batch, dtype=torch.long)
-        n[b] = feats.shape[0]
-        drafter.extend_context(cache, rows.to(drafter.device), n)
 
 
 __all__ = ["Slots"]

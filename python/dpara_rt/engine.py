@@ -21,11 +21,13 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
+from dpara_rt.drafter_context import WORKER_MODES, DrafterWorker
 from dpara_rt.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
 from dpara_rt.methods.rounds import DecodeOptions, Decoder, is_int
@@ -48,7 +50,8 @@ class Engine:
     def __init__(self, target, drafter=None, method: str = "dpara", d: int = 7, placement: str = "split",
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  max_batch: int = MAX_BATCH, max_len: int | None = None, eos_ids: Sequence[int] | None = None,
-                 psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1):
+                 psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1,
+                 drafter_worker: str = "auto"):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
         if not is_int(max_batch) or max_batch < 1:
@@ -57,7 +60,13 @@ class Engine:
             raise ValueError(f"max_len = {max_len!r}; expected an int >= 2, or None (sized per call)")
         if not is_int(threads_per_lane) or threads_per_lane < 1:
             raise ValueError(f"threads_per_lane = {threads_per_lane!r}; expected an int >= 1")
-        self.method, self.placement = method, placement
+        if drafter_worker not in WORKER_MODES:
+            raise ValueError(f"drafter_worker {drafter_worker!r}; expected one of {WORKER_MODES}")
+        if drafter_worker == "process" and drafter is not None and drafter.device.type != "cpu":
+            raise ValueError(f"drafter_worker 'process' runs the drafter in a host process; the drafter is on "
+                             f"{drafter.device} (use 'thread' or 'auto')")
+        self.method, self.placement, self.drafter_worker = method, placement, drafter_worker
+        self._worker: DrafterWorker | None = None
         eos_ids = target.config.eos_token_id if eos_ids is None else eos_ids
         if not isinstance(eos_ids, (list, tuple, set, frozenset)):
             raise ValueError(f"eos_ids = {eos_ids!r}; expected a list of token ids")
@@ -198,7 +207,7 @@ class Engine:
                 admission=None):
         spec = METHODS[method]
         dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter,
-                                       markov=spec.markov, admission=admission)
+                                       markov=spec.markov, admission=admission, worker=self._worker_for(spec))
         new_tokens = 0
         t0 = time.perf_counter()
         for new in dec.run(spec.run):
@@ -206,6 +215,33 @@ class Engine:
             yield new
         name = self._variant(method, opts)
         self.last_stats = summarize(dec, name, len(prompts), time.perf_counter() - t0, new_tokens, trace)
+
+    def _worker_for(self, spec) -> DrafterWorker | None:
+        """The drafter worker process a method's drafter lane runs in, or None for a thread. ``auto`` takes a
+        process where it pays: a method that drafts beside verification (dpara), on the host, with each lane on
+        its own cores (two threads of one interpreter slow each other's torch ops; two processes do not)."""
+        mode = self.drafter_worker
+        if not spec.worker or self.drafter is None or mode == "thread":
+            return None
+        if mode == "auto" and (self.drafter.device.type != "cpu" or self.placement != "split"):
+            return None
+        if self._worker is None or not self._worker.alive:  # started once; again only if it died
+            target_lane, drafter_lane = self.lanes
+            if self._worker is None:
+                self._worker_cores = drafter_lane.cores
+                # The lane's thread now only sends the worker its calls and runs the Markov head, both between
+                # verifications: beside the target it leaves the worker its cores (sharing them, the worker's
+                # wake-up would preempt the head's link).
+                drafter_lane.pin(target_lane.cores)
+            self._worker = DrafterWorker(self.drafter, self._worker_cores, drafter_lane.threads)
+            weakref.finalize(self, self._worker.close)
+        return self._worker
+
+    def close(self) -> None:
+        """Stop the drafter worker process, if one runs (it also stops when the engine is collected or the
+        interpreter exits)."""
+        if self._worker is not None:
+            self._worker.close()
 
     def serve(self, slots, max_len: int) -> Iterator[list[list[int]]]:
         """Continuous batching (dpara_rt.batching.Slots): one decode over ``slots.batch`` rows that requests

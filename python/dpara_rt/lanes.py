@@ -18,6 +18,7 @@ PLACEMENTS = ("split", "colocated")
 class Lane:
     def __init__(self, name: str, device: torch.device, cores: Sequence[int] | None, threads: int):
         self.name, self.device = name, device
+        self.cores, self.threads = cores, threads
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
             self.core = _core.CudaLane(device.index or 0, self.stream.cuda_stream, name)
@@ -25,7 +26,13 @@ class Lane:
             self.stream = None
             self.core = _core.HostLane(name)
         if cores is not None or device.type == "cpu":
-            self.core.submit(lambda: _pin_thread(cores, threads))
+            self.pin(cores)
+
+    def pin(self, cores: Sequence[int] | None) -> None:
+        """Move a host lane's thread to `cores` (from its next job on)."""
+        self.cores = cores
+        threads = self.threads
+        self.core.submit(lambda: _pin_thread(cores, threads))
 
     @property
     def device_index(self) -> int:

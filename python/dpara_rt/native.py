@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from dpara_rt import _core
 
-__all__ = ["markov_head_native"]
+__all__ = ["MarkovBound", "markov_bound", "markov_head_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -39,12 +40,31 @@ def _index_array(name: str, t: torch.Tensor, batch: int):
     return t.to(torch.long).contiguous().numpy()
 
 
+class MarkovBound(NamedTuple):
+    """What a greedy native head needs to skip tokens out of reach: W2 transposed [V, R] and its column norms
+    [V], rounded up. Built once per W2 (``markov_bound``); the drafts are the same with or without it."""
+    w2: torch.Tensor
+    w2t: torch.Tensor
+    norms: torch.Tensor
+
+
+def markov_bound(w2: torch.Tensor) -> MarkovBound:
+    """The MarkovBound of a float32 W2 [R, V] on the CPU."""
+    _cpu_tensor("w2", w2, 2)
+    if w2.dtype != torch.float32:
+        raise ValueError(f"w2 must be float32, got {w2.dtype}")
+    norms = torch.linalg.vector_norm(w2.double(), dim=0).float()
+    return MarkovBound(w2, w2.t().contiguous(), torch.nextafter(norms, torch.tensor(float("inf"))))
+
+
 def markov_head_native(boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, w1: torch.Tensor,
-                       w2: torch.Tensor, temperature: float = 0.0, seed: int = 0, offset: int = 0):
+                       w2: torch.Tensor, temperature: float = 0.0, seed: int = 0, offset: int = 0,
+                       bound: MarkovBound | None = None):
     """(draft [B, d] long, q [B, d, V] float32 when temperature > 0 else None) for CPU tensors.
 
     boundary [B, n_rows, d, V] float32/bfloat16/float16, contiguous; r, bonus [B] integer; w1 [V, R] and
-    w2 [R, V] float32, contiguous. seed and offset: ints in [0, 2**64).
+    w2 [R, V] float32, contiguous. seed and offset: ints in [0, 2**64). ``bound`` (``markov_bound(w2)``) lets
+    greedy steps compute exact values only for the tokens in reach of the arg-max: same drafts, less work.
     """
     _cpu_tensor("boundary", boundary, 4)
     if boundary.dtype not in _BOUNDARY_DTYPES:
@@ -66,10 +86,14 @@ def markov_head_native(boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Ten
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
             raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
     r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
+    if bound is not None and bound.w2 is not w2:
+        raise ValueError("bound was built for another W2 (markov_bound(w2) of this call's w2 expected)")
+    use_bound = bound is not None and temperature == 0
 
     draft = torch.empty(batch, d, dtype=torch.long)
     q = torch.empty(batch, d, vocab, dtype=torch.float32) if temperature > 0 else None
     _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, n_rows, d, vocab, r_np,
                            bonus_np, w1.data_ptr(), w2.data_ptr(), rank, float(temperature), int(seed), int(offset),
-                           draft.numpy(), 0 if q is None else q.data_ptr())
+                           draft.numpy(), 0 if q is None else q.data_ptr(),
+                           bound.w2t.data_ptr() if use_bound else 0, bound.norms.data_ptr() if use_bound else 0)
     return draft, q

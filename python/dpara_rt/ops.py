@@ -140,8 +140,10 @@ def tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: flo
     return tree_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, int(d), float(scale))
 
 
-def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0):
-    """Draft d tokens from boundary[b, r[b]] with the Markov head; (draft [B, d], q [B, d, V] or None)."""
+def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0,
+                bound=None):
+    """Draft d tokens from boundary[b, r[b]] with the Markov head; (draft [B, d], q [B, d, V] or None).
+    ``bound`` (``native.markov_bound(w2)``) speeds up the native greedy head; other backends ignore it."""
     _tensor("boundary", boundary, 4, "float")
     _tensor("r", r, 1, "int")
     _tensor("bonus", bonus, 1, "int")
@@ -181,7 +183,7 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
         return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
     if native:
         return markov_head_native(boundary.contiguous(), r.cpu(), bonus.cpu(), w1.contiguous(), w2.contiguous(),
-                                  float(temperature), int(seed), int(offset))
+                                  float(temperature), int(seed), int(offset), bound)
     return markov_head_reference(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
 
 

@@ -14,6 +14,7 @@ enum class MemoryKind : std::uint8_t {
   host,         // 64-byte aligned host memory (CPU backend)
   host_pinned,  // page-locked host memory from cudaHostAlloc
   device,       // cudaMalloc on `device`
+  host_shared,  // a memfd mapped MAP_SHARED: another process maps fd() and sees the same bytes (Linux)
 };
 
 class Buffer {
@@ -28,13 +29,16 @@ class Buffer {
   std::size_t bytes() const { return bytes_; }
   MemoryKind kind() const { return kind_; }
   int device() const { return device_; }  // -1 unless kind == device
+  int fd() const { return fd_; }          // the memfd of host_shared memory, else -1 (closed with the block)
   static constexpr std::size_t kAlignment = 64;
 
  private:
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+  std::size_t mapped_ = 0;  // host_shared: the mapping's length
   MemoryKind kind_;
   int device_;
+  int fd_ = -1;
 };
 
 struct TensorView {

@@ -18,10 +18,11 @@ const char* slot_state_name(SlotState s);
 
 class BoundaryRing {
  public:
-  // device -1: aligned host memory (CPU backend); device >= 0: cudaMalloc on that device.
-  // Throws std::invalid_argument naming the value for capacity < 1, batch < 1, d outside 1..kMaxDraft, vocab < 1
-  // or a dtype other than float32 / bfloat16 / float16.
-  BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, DType dtype, int device = -1);
+  // device -1: aligned host memory (CPU backend); device >= 0: cudaMalloc on that device. shared (host only):
+  // the slots live in a memfd (shared_fd()) that a drafter worker process maps and fills.
+  // Throws std::invalid_argument naming the value for capacity < 1, batch < 1, d outside 1..kMaxDraft, vocab < 1,
+  // a dtype other than float32 / bfloat16 / float16, or shared with a CUDA device.
+  BoundaryRing(int capacity, int batch, int d, std::int64_t vocab, DType dtype, int device = -1, bool shared = false);
 
   // free -> filling on the next slot in round-robin order; throws std::runtime_error (naming the slot and
   // its state) when that slot is not free. The slot's release event is waited for on `lane` (the producer
@@ -56,6 +57,8 @@ class BoundaryRing {
   std::int64_t slot_elems() const { return std::int64_t(batch_) * (d_ + 1) * d_ * vocab_; }
   std::int64_t row_elems() const { return std::int64_t(d_) * vocab_; }  // one ring[slot][b][r]
   void* data() const { return buf_->data(); }
+  int shared_fd() const { return buf_->fd(); }  // -1 unless shared
+  std::size_t nbytes() const { return buf_->bytes(); }
 
   TensorView view() const;              // [capacity, batch, d+1, d, vocab]
   TensorView slot_view(int slot) const;  // [batch, d+1, d, vocab]

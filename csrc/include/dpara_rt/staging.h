@@ -26,13 +26,17 @@ class Staging {
   static constexpr int kPhases = 2;
   static constexpr std::size_t kMaxFeatureBytes = std::size_t(1) << 40;  // far above any round's features
   // device >= 0: page-locked memory through cudaHostAlloc for transfers with that CUDA device;
-  // device -1: plain aligned host memory (CPU backend). feature_bytes <= kMaxFeatureBytes.
-  Staging(int batch, int d, std::size_t feature_bytes, int device = -1);
+  // device -1: plain aligned host memory (CPU backend). feature_bytes <= kMaxFeatureBytes. shared (host only):
+  // the phases live in a memfd (shared_fd()) that a drafter worker process maps; offset() locates a region.
+  Staging(int batch, int d, std::size_t feature_bytes, int device = -1, bool shared = false);
 
   // phase: 0 or 1 (anything else -> std::invalid_argument naming it).
   void* data(StagingRegion region, int phase) const;
   std::size_t bytes(StagingRegion region) const;
   TensorView view(StagingRegion region, int phase) const;
+  std::size_t offset(StagingRegion region, int phase) const;  // bytes from the start of the buffer
+  int shared_fd() const { return buf_->fd(); }                // -1 unless shared
+  std::size_t nbytes() const { return buf_->bytes(); }
 
   // Copy `bytes` bytes from `src` into the region (copy_in) or from the region to `dst` (copy_out) in
   // `lane`'s order; src/dst may be device memory on a CudaLane. bytes must fit in the region.

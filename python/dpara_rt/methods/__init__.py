@@ -18,6 +18,7 @@ class Method:
     needs_drafter: bool
     parallel: bool       # drafts while the target verifies: both lanes busy at once
     markov: bool = True  # drafts through the drafter's Markov head (if it has one)
+    worker: bool = False  # its drafter lane can run in a worker process (dpara_rt.drafter_context)
 
 
 METHODS = {
@@ -26,7 +27,7 @@ METHODS = {
     # DFlash: the same serial chain, drafting the backbone's own tokens without the Markov head
     "dflash": Method(dspark.run, needs_drafter=True, parallel=False, markov=False),
     "psd": Method(psd.run, needs_drafter=True, parallel=True),
-    "dpara": Method(dpara.run, needs_drafter=True, parallel=True),
+    "dpara": Method(dpara.run, needs_drafter=True, parallel=True, worker=True),
 }
 AUTO = "auto"                          # adaptive: profiles these per batch size and keeps the faster
 AUTO_CANDIDATES = ("dspark", "dpara", "dpara-hidden")  # variant names

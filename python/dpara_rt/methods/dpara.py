@@ -12,23 +12,21 @@ from dpara_rt.methods.rounds import Decoder, Draft, Outcome
 
 
 def run(dec: Decoder, first: Outcome):
-    def launch(prev: Outcome, tokens, q, absorb: bool):  # drafter lane: verify the draft, fill a slot meanwhile
+    def launch(prev: Outcome, tokens, q, absorb: bool):  # head lane: verify the draft, fill a slot meanwhile
         nxt = dec.send(prev, tokens, q)
-        slot = dec.ring.acquire(dec.drafter_lane.core)
-        # The backbone is queued before the verify link that queues this slot's Markov head: links go out in
-        # the order they were posted, so the drafter lane runs the backbone (which marks the slot ready) first.
-        if absorb:  # the backbone's context must hold what `prev` accepted
-            dec.post(dec.drafter_lane, "context", lambda: dec.absorb(prev))
-        dec.post(dec.drafter_lane, "backbone", lambda: dec.fill_boundary(nxt, slot))
+        slot = dec.ring.acquire(dec.head_lane.core)
+        # The backbone goes out before the verify link that queues this slot's Markov head: links run in the
+        # order they were posted, so the drafter lane fills the slot (and marks it ready) first.
+        dec.start_boundary(prev if absorb else None, nxt, slot)
         dec.post(dec.target_lane, "verify", lambda: verify(nxt, slot))
 
     def verify(nxt: Draft, slot: int):  # target lane
         out = dec.verify_and_accept(nxt, slot)
         if not out.finished:
-            dec.post(dec.drafter_lane, "markov_head", lambda: markov_head(out, slot))
+            dec.post(dec.head_lane, "markov_head", lambda: markov_head(out, slot))
 
-    def markov_head(out: Outcome, slot: int):  # drafter lane: the only drafting on the critical path
+    def markov_head(out: Outcome, slot: int):  # head lane: the only drafting on the critical path
         launch(out, *dec.draft_from_boundary(out, slot), absorb=True)
 
-    dec.post(dec.drafter_lane, "context", lambda: dec.absorb(first))
-    dec.post(dec.drafter_lane, "serial_draft", lambda: launch(first, *dec.draft_serial(first), absorb=False))
+    dec.post(dec.head_lane, "context", lambda: dec.absorb(first))
+    dec.post(dec.head_lane, "serial_draft", lambda: launch(first, *dec.draft_serial(first), absorb=False))

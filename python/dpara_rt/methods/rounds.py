@@ -23,6 +23,8 @@ from torch import Tensor
 from dpara_rt import _core, ops
 from dpara_rt.chain import Chain
 from dpara_rt.core import slot_tensor, stage_in, staging_tensor
+from dpara_rt.drafter_context import LocalContext, WorkerContext
+from dpara_rt.native import markov_bound
 from dpara_rt.lanes import Lane
 from dpara_rt.models.target import Target
 from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample, uniforms
@@ -200,13 +202,16 @@ class Decoder:
 
     def __init__(self, target: Target, drafter, lanes: tuple[Lane, Lane], opts: DecodeOptions,
                  prompts: list[list[int]], needs_drafter: bool, ring_capacity: int = 2,
-                 markov: bool = True, admission=None):
+                 markov: bool = True, admission=None, worker=None):
         self.target, self.opts, self.prompts = target, opts, prompts
         # Continuous batching (dpara_rt.batching.Slots): rows are slots that requests take and leave between
         # rounds; None for a fixed batch.
         self.admission, self.paused = admission, None
         self.drafter = drafter if needs_drafter else None
         self.target_lane, self.drafter_lane = lanes
+        # Where the Markov head and the draft's hand-off run: the drafter lane, or, when a worker process runs the
+        # drafter's forwards, the target lane itself, right after verification (no thread hand-off either way)
+        self.head_lane = self.target_lane if worker is not None else self.drafter_lane
         self.d = opts.d if needs_drafter else 1
         B = len(prompts)
         opts.check_batch(B)
@@ -219,16 +224,23 @@ class Decoder:
         self._head_options()
         self._markov_calls = 0
         self.warned_non_finite = False
-        self.staging = self.cache = self.ring = None
+        self.staging = self.context = self.ring = None
+        self._in_worker: tuple[int, int, int | None] | None = None  # (round, slot, features phase) being filled
         self._staged, self._slots = {}, []
         # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
         self.ring_logits = opts.dpara_ring == "logits"
         self._ring_capacity = ring_capacity
         self._markov_weights: tuple[Tensor, Tensor] | None = None
+        self._markov_bound = None
         if needs_drafter:
-            self.cache = drafter.new_context_cache(B, target.max_len)
+            # The drafter's context cache, here or in a drafter worker process (dpara_rt.drafter_context)
+            self.context = (WorkerContext(worker, B, target.max_len) if worker is not None
+                            else LocalContext(drafter, B, target.max_len))
             # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
             self._markov_weights = tuple(w.to(drafter.device) for w in drafter.markov_factors(markov))
+            w2 = self._markov_weights[1]
+            # On the host the greedy head skips tokens that its bound puts out of reach (the same drafts)
+            self._markov_bound = markov_bound(w2) if w2.device.type == "cpu" and w2.dtype == torch.float32 else None
             self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
@@ -238,10 +250,12 @@ class Decoder:
         round trip per use costs more than the head)."""
         target, drafter = self.target, self.drafter
         feature_bytes = B * (self.d + 1) * target.feature_dim * target.dtype.itemsize
-        self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index)
+        shared = isinstance(self.context, WorkerContext)  # a worker process maps both
+        self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index, shared=shared)
         row = drafter.config.vocab_size if self.ring_logits else drafter.config.hidden_size
         self.ring = _core.BoundaryRing(self._ring_capacity, B, self.d, row, str(drafter.dtype).removeprefix("torch."),
-                                       self.drafter_lane.device_index)
+                                       self.drafter_lane.device_index, shared=shared)
+        self.context.map_buffers(self.staging, self.ring)
         self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
                         for region in ("rb", "draft", "features") for phase in (0, 1)}
         self._slots = [slot_tensor(self.ring, i) for i in range(self._ring_capacity)]
@@ -262,9 +276,7 @@ class Decoder:
             self.generator = [self.generator] * batch  # rows draw from the batch's one stream, as before
         self._head_options()
         if self.drafter is not None:
-            old, self.cache = self.cache, self.drafter.new_context_cache(batch, self.cache.max_len)
-            self.cache.k[:, :B], self.cache.v[:, :B] = old.k, old.v
-            self.cache.lengths[:B] = old.lengths
+            self.context.grow(batch)
             self._batch_buffers(batch)
             self._released = {region: [_core.Event(), _core.Event()] for region in self._released}
 
@@ -322,16 +334,16 @@ class Decoder:
     # ------------------------------------------------------------------ drafting
     def absorb(self, out: Outcome) -> None:
         """Drafter lane: give the drafter's context cache the features of what `out` accepted."""
-        self.drafter_lane.wait(out.ready)
-        self.drafter.extend_context(self.cache, out.features.to(self.drafter.device, non_blocking=True), out.keep)
+        self.head_lane.wait(out.ready)
+        self.context.absorb(out.features, out.keep)
         if out.round > 0:
-            self._release(self.drafter_lane, "features", out.phase)
+            self._release(self.head_lane, "features", out.phase)
 
     def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
         """Drafter lane: stage the draft for the round after `prev`."""
         rnd = prev.round + 1
-        staged = self._stage(self.drafter_lane, "draft", tokens.to(torch.int32), rnd % 2)
-        return Draft(rnd, prev.bonus, tokens, staged, q, self.drafter_lane.record())
+        staged = self._stage(self.head_lane, "draft", tokens.to(torch.int32), rnd % 2)
+        return Draft(rnd, prev.bonus, tokens, staged, q, self.head_lane.record())
 
     def no_draft(self, prev: Outcome) -> Draft:
         """An AR round: the block is the last bonus alone."""
@@ -352,14 +364,16 @@ class Decoder:
         opts = self.opts
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
             seed = opts.seed[0] if opts.per_request_seeds else opts.seed
-            return ops.markov_head(boundary, r, bonus, w1, w2, self._head_temps[0], seed, self._markov_calls)
+            return ops.markov_head(boundary, r, bonus, w1, w2, self._head_temps[0], seed, self._markov_calls,
+                                   self._markov_bound)
         drafts, qs = [], []
         for b, temp in enumerate(self._head_temps):
             if opts.per_request_seeds:
                 seed, offset = opts.seed[b], self._markov_calls
             else:
                 seed, offset = opts.seed, self._markov_calls + (b << _ROW_STREAM_SHIFT)
-            draft, q = ops.markov_head(boundary[b:b + 1], r[b:b + 1], bonus[b:b + 1], w1, w2, temp, seed, offset)
+            draft, q = ops.markov_head(boundary[b:b + 1], r[b:b + 1], bonus[b:b + 1], w1, w2, temp, seed, offset,
+                                       self._markov_bound)
             if q is None and opts.sampling:
                 q = torch.nn.functional.one_hot(draft, boundary.shape[-1]).float()
             drafts.append(draft)
@@ -371,23 +385,54 @@ class Decoder:
         Markov head. Returns (draft, q), plus the backbone logits when asked. Only the d tokens a round
         verifies need to be within what the drafter was trained for (PSD's extra token is a guess)."""
         n = n or self.d
-        logits = self.drafter.block_logits(self.cache, prev.bonus, n, untrained_ok=n > self.d)
+        logits = self.context.block_logits(prev.bonus, n, untrained_ok=n > self.d)
         draft, q = self.markov(logits[:, None], torch.zeros_like(prev.bonus), prev.bonus)
         return (draft, q, logits) if with_logits else (draft, q)
+
+    def start_boundary(self, prev: Outcome | None, draft: Draft, slot: int) -> None:
+        """Drafter lane, in the link that sent `draft`: absorb what `prev` accepted (None: nothing new), then fill
+        ring slot `slot` with the boundary logits of every outcome of `draft`, beside its verification. In this
+        process both are links of the drafter lane. With a drafter worker process both are sent now, so the
+        lane's thread runs no Python while the target verifies, and the Markov head's link settles them."""
+        if not self.context.remote:
+            if prev is not None:
+                self.post(self.drafter_lane, "context", lambda: self.absorb(prev))
+            self.post(self.drafter_lane, "backbone", lambda: self.fill_boundary(draft, slot))
+            return
+        features, keep = (None, None) if prev is None else (prev.features, prev.keep)
+        if prev is not None:
+            self.head_lane.wait(prev.ready)
+        self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits)
+        staged = prev is not None and prev.round > 0
+        self._in_worker = (self.chain.round, slot, prev.phase if staged else None)
+
+    def _settle(self) -> None:
+        """Drafter lane: wait for what start_boundary sent to the worker, put its spans on the timeline, hand the
+        features phase back and mark the slot ready."""
+        if self._in_worker is None:
+            return
+        rnd, slot, phase = self._in_worker
+        self._in_worker = None
+        for name, t0, t1 in self.context.settle():
+            self.metrics.add_event(rnd, name, self.drafter_lane.name, t0, t1)
+        if phase is not None:
+            self._release(self.head_lane, "features", phase)
+        self.ring.mark_ready(slot, self.head_lane.record())
 
     def fill_boundary(self, draft: Draft, slot: int) -> None:
         """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`."""
         boundary = self._slots[slot]
-        self.drafter.boundary_logits(self.cache, draft.spine(boundary.device), out=boundary, project=self.ring_logits)
+        self.context.boundary(draft.spine(boundary.device), slot, boundary, self.ring_logits)
         self.ring.mark_ready(slot, self.drafter_lane.record())
 
     def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
         """Drafter lane: the Markov head on branch r of ring slot `slot`, from the staged (r, bonus)."""
+        self._settle()
         out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
         rb = self._staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
-        self._release(self.drafter_lane, "rb", out.phase)
+        self._release(self.head_lane, "rb", out.phase)
         r, bonus = rb[:, 0], rb[:, 1]
-        self.ring.select(slot, r.numpy(), lane=self.drafter_lane.core)  # after the backbone's ready event
+        self.ring.select(slot, r.numpy(), lane=self.head_lane.core)  # after the backbone's ready event
         try:
             boundary = self._slots[slot]
             if self.ring_logits:
@@ -396,7 +441,7 @@ class Decoder:
             logits = self.drafter.logits(rows)
             return self.markov(logits[:, None], torch.zeros_like(r), bonus)
         finally:
-            self.ring.release(slot, self.drafter_lane.record())
+            self.ring.release(slot, self.head_lane.record())
 
     # ------------------------------------------------------------------ verification
     def pick(self, logits: Tensor) -> Tensor:
@@ -510,6 +555,7 @@ class Decoder:
                 yield from self.chain.drain()
             if self.admission is None:
                 return
+            self._settle()  # a backbone sent for the paused round: nobody reads its slot (readmit resets the ring)
             first, self.paused = self.admission.readmit(self, self.paused), None
             if first is None:
                 return

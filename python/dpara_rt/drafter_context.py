@@ -1,0 +1,368 @@
+"""The drafter's context cache and the work done on it, in this process or in a drafter worker process.
+
+Two lanes that are threads of one process share one interpreter: a lane's torch ops wait for the other lane's
+Python between them, and the target's verify slows by a fifth or more while the backbone runs beside it. A
+worker process gives the drafter its own interpreter; what remains is the hardware's contention (shared cache
+and memory bandwidth).
+
+``LocalContext`` runs the drafter in the calling thread (every method, any device). ``WorkerContext`` sends
+the same calls to a ``DrafterWorker``: a spawned process holding the drafter (its weights, and the target's
+embedding and output head, shared with this process, not copied) and the context cache. The boundary ring and
+the features staging are the core's shared memory (memfds), mapped by both processes, so boundary logits and
+features never cross the pipe; a call carries only token ids and row counts. The drafter lane's thread in this
+process makes the call and waits for the reply without the GIL, so the chain of lane jobs, the ring's slot
+states and the lanes' events are the same as with a thread. The Markov head stays in this process and reads
+branch r straight from the shared slot.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import multiprocessing
+import os
+import sys
+import threading
+import traceback
+from multiprocessing import reduction
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pickling of tensors for the pipe
+
+from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the same in every process
+
+WORKER_MODES = ("auto", "thread", "process")
+_PHASES = {"absorb": "context", "absorb_staged": "context", "boundary": "backbone"}  # worker call -> timeline phase
+
+
+class LocalContext:
+    """The drafter and its context cache in this process: every call runs now, in the calling thread."""
+    remote = False
+
+    def __init__(self, drafter, batch: int, max_len: int):
+        self.drafter = drafter
+        self.cache = drafter.new_context_cache(batch, max_len)
+
+    def map_buffers(self, staging, ring) -> None:
+        """Nothing to map: the caller hands tensors over directly."""
+
+    def absorb(self, features: torch.Tensor, keep: torch.Tensor) -> None:
+        """Append the first keep[b] rows of features [B, T, F] to row b of the context."""
+        self.drafter.extend_context(self.cache, features.to(self.drafter.device, non_blocking=True), keep)
+
+    def block_logits(self, bonus: torch.Tensor, n: int, untrained_ok: bool) -> torch.Tensor:
+        return self.drafter.block_logits(self.cache, bonus, n, untrained_ok=untrained_ok)
+
+    def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor, project: bool) -> None:
+        """Boundary logits (or the branches' hidden states) of `spine` [B, d+1] into ring slot `out`."""
+        self.drafter.boundary_logits(self.cache, spine, out=out, project=project)
+
+    def reset_row(self, b: int, features: torch.Tensor) -> None:
+        """Row b of the context: emptied, then `features` [T, F] (a request joining a serving decode)."""
+        _reset_row(self.drafter, self.cache, b, features)
+
+    def grow(self, batch: int) -> None:
+        """`batch` rows from now on: the cache is copied into a larger one, the new rows empty."""
+        self.cache = _grown(self.drafter, self.cache, batch)
+
+    def settle(self) -> list[tuple[str, int, int]]:
+        """Wait for the calls still running (none here); their (phase, start_ns, end_ns) spans."""
+        return []
+
+
+class WorkerContext:
+    """The same calls as LocalContext, made in a DrafterWorker from the drafter lane's thread. ``absorb`` and
+    ``boundary`` return at once: the caller does not wait (nor hold the interpreter) while the worker runs them,
+    and ``settle`` waits for them, raising the first error; every other call waits for its result."""
+    remote = True
+
+    def __init__(self, worker: "DrafterWorker", batch: int, max_len: int):
+        self.worker = worker
+        worker.discard()  # replies a cancelled decode left behind
+        worker.call("new_cache", batch, max_len)
+        self._staged_features: dict[int, int] = {}  # the features staging's address per phase -> phase
+
+    def map_buffers(self, staging, ring) -> None:
+        """Map the core's shared staging and ring into the worker (they are rebuilt when a decode grows)."""
+        for what in (staging, ring):
+            if what.shared_fd < 0:
+                raise ValueError(f"{type(what).__name__} is not in shared memory (shared_fd = -1); a drafter worker "
+                                 "needs staging and ring built with shared=True")
+        self._staged_features = {staging.data_ptr("features", p): p for p in (0, 1)}
+        self.worker.call("map_buffers", staging.nbytes, {p: staging.offset("features", p) for p in (0, 1)},
+                    ring.nbytes, (ring.capacity, ring.batch, ring.d + 1, ring.d, ring.vocab), ring.dtype,
+                    fds=(staging.shared_fd, ring.shared_fd))
+
+    def absorb(self, features: torch.Tensor, keep: torch.Tensor) -> None:
+        keep = [int(k) for k in keep]
+        phase = self._staged_features.get(features.data_ptr()) if features.is_contiguous() else None
+        if phase is not None:  # a round's features: the worker reads them where the target lane staged them
+            self.worker.post("absorb_staged", phase, tuple(features.shape), str(features.dtype), keep)
+        else:  # a prefill's or a restart's features: sent through torch's shared memory (once per decode or join)
+            self.worker.post("absorb", features.contiguous(), keep)
+
+    def block_logits(self, bonus: torch.Tensor, n: int, untrained_ok: bool) -> torch.Tensor:
+        return self.worker.call("block_logits", bonus.tolist(), n, untrained_ok)
+
+    def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor | None, project: bool) -> None:
+        self.worker.post("boundary", spine.tolist(), slot, project)
+
+    def absorb_and_fill(self, features: torch.Tensor, keep: torch.Tensor | None, spine: torch.Tensor, slot: int,
+                        project: bool) -> None:
+        """absorb (unless keep is None) then boundary, as one message: a round's whole drafting beside its
+        verification costs one send here and one reply to settle."""
+        if keep is None:
+            return self.boundary(spine, slot, None, project)
+        phase = self._staged_features.get(features.data_ptr()) if features.is_contiguous() else None
+        if phase is None:
+            self.absorb(features, keep)
+            return self.boundary(spine, slot, None, project)
+        self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype), keep.tolist(),
+                         spine.tolist(), slot, project)
+
+    def reset_row(self, b: int, features: torch.Tensor) -> None:
+        self.worker.call("reset_row", b, features.contiguous())
+
+    def grow(self, batch: int) -> None:
+        self.worker.call("grow", batch)
+
+    def settle(self) -> list[tuple[str, int, int]]:
+        spans = []
+        for op, value, (t0, t1) in self.worker.collect():
+            if op == "absorb_and_fill":  # the boundary's start: the reply's value
+                spans += [("context", t0, value), ("backbone", value, t1)]
+            else:
+                spans.append((_PHASES.get(op, op), t0, t1))
+        return spans
+
+
+def _reset_row(drafter, cache, b: int, features: torch.Tensor) -> None:
+    lengths = cache.lengths.clone()
+    lengths[b] = 0
+    drafter.crop(cache, lengths)
+    rows = torch.zeros(cache.batch, features.shape[0], features.shape[1], dtype=features.dtype, device=features.device)
+    rows[b] = features
+    n = torch.zeros(cache.batch, dtype=torch.long)
+    n[b] = features.shape[0]
+    drafter.extend_context(cache, rows.to(drafter.device), n)
+
+
+def _grown(drafter, cache, batch: int):
+    new = drafter.new_context_cache(batch, cache.max_len)
+    B = cache.batch
+    new.k[:, :B], new.v[:, :B] = cache.k, cache.v
+    new.lengths[:B] = cache.lengths
+    return new
+
+
+class DrafterWorker:
+    """A spawned process that runs the drafter's calls (``WorkerContext``), pinned to the drafter lane's cores.
+
+    An error in the worker is raised here, in the caller, with the worker's traceback as a note; the worker
+    keeps serving. If the process dies, the call raises RuntimeError naming its exit code and ``alive`` turns
+    False (the engine starts a new worker for its next decode)."""
+
+    def __init__(self, drafter, cores, threads: int):
+        if drafter.device.type != "cpu":
+            raise ValueError(f"a drafter worker process runs on the host; the drafter is on {drafter.device}")
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the lanes' threads' locks mid-use
+        self._conn, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(theirs, drafter, list(cores) if cores else None, threads),
+                                 name="dpara_rt-drafter", daemon=True)
+        with _without_main_script():
+            self._proc.start()
+        theirs.close()
+        self._lock = threading.Lock()
+        self._pending: list[str] = []  # ops posted and not yet answered, in order
+        self._broken: str | None = None
+        self.call("ping")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._broken is None and self._proc.is_alive()
+
+    def post(self, op: str, *args, fds=()) -> None:
+        """Start `op` in the worker without waiting; `fds` are file descriptors passed along (SCM_RIGHTS)."""
+        with self._lock:
+            self._check_alive(op)
+            try:
+                self._conn.send((op, args))
+                for fd in fds:
+                    reduction.send_handle(self._conn, fd, self._proc.pid)
+            except OSError as e:
+                raise self._died(op) from e
+            self._pending.append(op)
+
+    def collect(self, errors: bool = True) -> list[tuple[str, object, tuple[int, int]]]:
+        """Wait for every posted call: (op, result, (start_ns, end_ns)) each, in order. The first error is
+        raised once all have answered (`errors=False` drops errors)."""
+        done, error = [], None
+        with self._lock:
+            while self._pending:
+                op = self._pending.pop(0)
+                try:  # a worker that dies closes its end of the pipe: recv raises EOFError then
+                    status, value, where = self._conn.recv()
+                except (EOFError, OSError) as e:
+                    self._pending.clear()
+                    raise self._died(op) from e
+                if status == "error":
+                    if error is None:
+                        if hasattr(value, "add_note"):
+                            value.add_note(f"raised in the drafter worker process (pid {self._proc.pid}) during "
+                                           f"{op!r}:\n{where}")
+                        error = value
+                else:
+                    done.append((op, value, where))
+        if error is not None and errors:
+            raise error
+        return done
+
+    def call(self, op: str, *args, fds=()):
+        """Run `op` in the worker (after any posted calls) and return its result."""
+        self.post(op, *args, fds=fds)
+        return self.collect()[-1][1]
+
+    def discard(self) -> None:
+        """Drop the answers of posted calls nobody waits for any more (a cancelled decode's)."""
+        self.collect(errors=False)
+
+    def _check_alive(self, op: str) -> None:
+        if not self.alive:
+            raise RuntimeError(f"the drafter worker process (pid {self._proc.pid}) is gone "
+                               f"({self._broken or f'exit code {self._proc.exitcode}'}) before {op!r}; expected a "
+                               "live worker")
+
+    def _died(self, op: str) -> RuntimeError:
+        self._proc.join(1.0)
+        self._broken = f"exit code {self._proc.exitcode}"
+        return RuntimeError(f"the drafter worker process (pid {self._proc.pid}) died during {op!r} ({self._broken})")
+
+    def close(self) -> None:
+        """Stop the worker (idempotent)."""
+        with self._lock:
+            if self._proc.is_alive():
+                with contextlib.suppress(OSError, ValueError):
+                    self._conn.send(("exit", ()))
+                self._proc.join(5.0)
+                if self._proc.is_alive():
+                    self._proc.kill()
+                    self._proc.join()
+            self._broken = self._broken or "closed"
+            self._conn.close()
+
+
+@contextlib.contextmanager
+def _without_main_script():
+    # spawn re-runs the caller's main script in the child unless it is hidden; the worker needs nothing from it,
+    # and an unguarded script would start an engine (and a worker) of its own there.
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    if main is not None:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+class _Worker:
+    """The worker process's side: the drafter, its context cache and the mapped shared buffers."""
+
+    def __init__(self, drafter):
+        self.drafter, self.cache = drafter, None
+        self._maps: list[mmap.mmap] = []
+        self._features: dict[int, torch.Tensor] = {}
+        self._slots: list[torch.Tensor] = []
+
+    def ping(self):
+        return os.getpid()
+
+    def new_cache(self, batch: int, max_len: int) -> None:
+        self.cache = self.drafter.new_context_cache(batch, max_len)
+
+    def map_buffers(self, staging_bytes: int, feature_offsets: dict, ring_bytes: int, ring_shape: tuple,
+                    ring_dtype: str, conn) -> None:
+        staging_fd, ring_fd = reduction.recv_handle(conn), reduction.recv_handle(conn)
+        staging, ring = _map(staging_fd, staging_bytes), _map(ring_fd, ring_bytes)
+        self._maps = [staging, ring]  # the tensors below alias these mappings
+        raw = torch.frombuffer(staging, dtype=torch.uint8)
+        self._features = {phase: raw[off:] for phase, off in feature_offsets.items()}
+        slots = torch.frombuffer(ring, dtype=getattr(torch, ring_dtype)).view(ring_shape)
+        self._slots = list(slots)
+
+    def absorb(self, features: torch.Tensor, keep: list[int]) -> None:
+        self.drafter.extend_context(self.cache, features, torch.tensor(keep))
+
+    def absorb_staged(self, phase: int, shape: tuple, dtype: str, keep: list[int]) -> None:
+        dt = getattr(torch, dtype.removeprefix("torch."))
+        n = 1
+        for s in shape:
+            n *= s
+        features = self._features[phase][:n * dt.itemsize].view(dt).view(shape)
+        self.drafter.extend_context(self.cache, features, torch.tensor(keep))
+
+    def absorb_and_fill(self, phase: int, shape: tuple, dtype: str, keep: list[int], spine: list[list[int]],
+                        slot: int, project: bool) -> int:
+        """absorb_staged then boundary; returns when the boundary started (now_ns), to split the span."""
+        self.absorb_staged(phase, shape, dtype, keep)
+        t = now_ns()
+        self.boundary(spine, slot, project)
+        return t
+
+    def block_logits(self, bonus: list[int], n: int, untrained_ok: bool) -> torch.Tensor:
+        # Returned through shared memory: a decode's first draft and restarts only, not every round.
+        return self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok)
+
+    def boundary(self, spine: list[list[int]], slot: int, project: bool) -> None:
+        self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=self._slots[slot], project=project)
+
+    def reset_row(self, b: int, features: torch.Tensor) -> None:
+        _reset_row(self.drafter, self.cache, b, features)
+
+    def grow(self, batch: int) -> None:
+        self.cache = _grown(self.drafter, self.cache, batch)
+
+
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+
+
+def _serve(conn, drafter, cores, threads: int) -> None:
+    """The worker process's loop: one call at a time, each answered with (status, value, traceback)."""
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(threads)
+    worker = _Worker(drafter)
+    with torch.inference_mode():
+        while True:
+            try:
+                op, args = conn.recv()
+            except (EOFError, OSError):
+                break
+            if op == "exit":
+                break
+            try:
+                fn = getattr(worker, op)
+                t0 = now_ns()
+                value = fn(*args, conn) if op == "map_buffers" else fn(*args)
+                reply = ("ok", value, (t0, now_ns()))
+            except Exception as e:  # noqa: BLE001 - the caller raises it
+                reply = ("error", e, traceback.format_exc())
+            try:
+                conn.send(reply)
+            except Exception as e:  # noqa: BLE001 - an exception that does not pickle goes as its text
+                conn.send(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), reply[2] or repr(e)))
+    conn.close()
+    os._exit(0)  # skip atexit handlers inherited through imports (the core's lane drain has no lanes here)
+
+
+__all__ = ["DrafterWorker", "LocalContext", "WORKER_MODES", "WorkerContext"]

@@ -1,0 +1,178 @@
+"""The drafter lane as a worker process (dpara_rt.drafter_context): the same numbers as in this process, the
+same outputs from the engine, errors raised to the caller, and an engine that outlives its worker."""
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+
+import pytest
+import torch
+
+from dpara_rt import _core
+from dpara_rt.core import slot_tensor, staging_tensor
+from dpara_rt.drafter_context import DrafterWorker, LocalContext, WorkerContext
+from dpara_rt.engine import Engine
+from engine_pairs import predictable_pair
+
+D = 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return predictable_pair(seed=3)
+
+
+@pytest.fixture
+def one_thread():
+    """The worker runs one intra-op thread (as a lane does): so does the local side it is compared with, so that
+    reductions split alike and the results are bit-identical."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def worker(pair):
+    w = DrafterWorker(pair[1], None, 1)
+    yield w
+    w.close()
+
+
+def _buffers(drafter, batch: int, project: bool):
+    feature_bytes = batch * (D + 1) * drafter.config.feature_size * drafter.dtype.itemsize
+    staging = _core.Staging(batch, D, feature_bytes, -1, shared=True)
+    row = drafter.config.vocab_size if project else drafter.config.hidden_size
+    ring = _core.BoundaryRing(2, batch, D, row, str(drafter.dtype).removeprefix("torch."), -1, shared=True)
+    return staging, ring
+
+
+@pytest.mark.parametrize("project", [True, False], ids=["logits", "hidden"])
+def test_worker_context_computes_what_the_local_one_does(pair, worker, project, one_thread):
+    _, drafter = pair
+    B, F = 2, drafter.config.feature_size
+    g = torch.Generator().manual_seed(0)
+    local, remote = LocalContext(drafter, B, 128), WorkerContext(worker, B, 128)
+    staging, ring = _buffers(drafter, B, project)
+    remote.map_buffers(staging, ring)
+
+    prompt = torch.randn(B, 9, F, generator=g)
+    for ctx in (local, remote):
+        ctx.absorb(prompt, torch.tensor([9, 6]))  # not staged: goes through torch's shared memory
+    remote.settle()
+    bonus = torch.tensor([5, 7])
+    assert torch.equal(local.block_logits(bonus, D, False), remote.block_logits(bonus, D, False))
+
+    # A round's features in staging (read there by the worker), then the tree, into a shared ring slot
+    feats = torch.randn(B, D + 1, F, generator=g)
+    staged = staging_tensor(staging, "features", 1).reshape(-1)[:feats.nbytes].view(feats.dtype).view(feats.shape)
+    staged.copy_(feats)
+    spine = torch.randint(0, drafter.config.vocab_size, (B, D + 1), generator=g)
+    local.absorb(feats, torch.tensor([3, 5]))
+    expect = torch.empty_like(slot_tensor(ring, 1))
+    local.boundary(spine, 1, expect, project)
+    remote.absorb_and_fill(staged, torch.tensor([3, 5]), spine, 1, project)
+    spans = remote.settle()
+    assert [name for name, _, _ in spans] == ["context", "backbone"]
+    assert all(t0 <= t1 for _, t0, t1 in spans)
+    assert torch.equal(slot_tensor(ring, 1), expect)
+
+    # A request joining row 0, then the batch growing: still the same cache in both
+    row = torch.randn(4, F, generator=g)
+    for ctx in (local, remote):
+        ctx.reset_row(0, row)
+        ctx.grow(3)
+    assert torch.equal(local.block_logits(torch.tensor([1, 2, 3]), D, False),
+                       remote.block_logits(torch.tensor([1, 2, 3]), D, False))
+
+
+def test_worker_error_is_raised_here_with_its_traceback_and_the_worker_goes_on(worker):
+    with pytest.raises(AttributeError) as info:
+        worker.call("no_such_call")
+    assert any("drafter worker process" in n and "no_such_call" in n for n in getattr(info.value, "__notes__", []))
+    assert worker.call("ping") == worker.pid != os.getpid()
+
+
+def test_buffers_not_in_shared_memory_are_refused(pair, worker):
+    staging = _core.Staging(1, D, 64)
+    ring = _core.BoundaryRing(2, 1, D, 8)
+    ctx = WorkerContext(worker, 1, 16)
+    with pytest.raises(ValueError, match="shared_fd = -1"):
+        ctx.map_buffers(staging, ring)
+
+
+def test_shared_core_buffers_are_memfds_another_mapping_sees():
+    ring = _core.BoundaryRing(2, 1, D, 8, "float32", -1, shared=True)
+    staging = _core.Staging(1, D, 100, shared=True)
+    for what in (ring, staging):
+        assert what.shared_fd >= 0
+    with mmap.mmap(os.dup(ring.shared_fd), ring.nbytes) as m:
+        other = torch.frombuffer(m, dtype=torch.float32).view(2, 1, D + 1, D, 8)
+        other[1, 0, 2, 3, 4] = 7.5
+        assert slot_tensor(ring, 1)[0, 2, 3, 4] == 7.5
+        del other
+    with mmap.mmap(os.dup(staging.shared_fd), staging.nbytes) as m:
+        m[staging.offset("draft", 1):staging.offset("draft", 1) + 4] = (11).to_bytes(4, "little")
+        assert int(staging_tensor(staging, "draft", 1)[0, 0]) == 11
+    assert _core.BoundaryRing(2, 1, D, 8).shared_fd == -1
+    with pytest.raises(ValueError, match="device must be -1, got 0"):
+        _core.BoundaryRing(2, 1, D, 8, "float32", 0, shared=True)
+    with pytest.raises(ValueError, match="device must be -1, got 0"):
+        _core.Staging(1, D, 100, 0, shared=True)
+
+
+@pytest.mark.parametrize("ring", ["logits", "hidden"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_engine_outputs_are_the_same_with_the_drafter_in_a_worker(pair, ring, temperature):
+    target, drafter = pair
+    prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
+    outs = {}
+    for mode in ("thread", "process"):
+        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring=ring, drafter_worker=mode)
+        try:
+            out = eng.generate(prompts, 24, temperature=temperature, seed=5)
+        finally:
+            eng.close()
+        assert (eng._worker is not None) == (mode == "process")
+        assert out.stats.fallback_rate == 0 and out.stats.tau > 1
+        outs[mode] = out
+    assert outs["process"].tokens == outs["thread"].tokens
+    if temperature == 0:
+        ar = Engine(target, method="ar").generate(prompts, 24).tokens
+        assert outs["process"].tokens == ar
+    # The worker's own spans are on the timeline: drafting hidden under verification
+    assert outs["process"].stats.backbone_ms > 0 and outs["process"].stats.overlap_efficiency > 0
+
+
+def test_auto_uses_a_worker_for_dpara_split_on_the_host_only(pair):
+    target, drafter = pair
+    for method, placement, expect in (("dpara", "split", True), ("dpara", "colocated", False),
+                                      ("dspark", "split", False)):
+        eng = Engine(target, drafter, method=method, d=D, placement=placement)
+        eng.generate([[1, 2, 3]], 8)
+        assert (eng._worker is not None) == expect, (method, placement)
+        eng.close()
+    with pytest.raises(ValueError, match="drafter_worker 'procs'; expected one of"):
+        Engine(target, drafter, drafter_worker="procs")
+
+
+def test_a_dead_worker_fails_its_decode_and_the_engine_starts_another(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=D, drafter_worker="process")
+    prompts = [[3, 9, 4, 1]]
+    try:
+        expect = eng.generate(prompts, 32).tokens
+        first = eng._worker
+        stream = eng.stream(prompts, 32)
+        next(stream)
+        os.kill(first.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="drafter worker process .* (died|is gone)"):
+            for _ in stream:
+                pass
+        assert not first.alive
+        assert eng.generate(prompts, 32).tokens == expect
+        assert eng._worker is not first and eng._worker.alive
+    finally:
+        eng.close()
+    assert not eng._worker.alive
