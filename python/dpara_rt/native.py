@@ -15,7 +15,7 @@ import torch
 
 from dpara_rt import _core
 
-__all__ = ["MarkovBound", "markov_bound", "markov_head_native"]
+__all__ = ["HostMarkovHead", "MarkovBound", "markov_bound", "markov_head_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -57,43 +57,60 @@ def markov_bound(w2: torch.Tensor) -> MarkovBound:
     return MarkovBound(w2, w2.t().contiguous(), torch.nextafter(norms, torch.tensor(float("inf"))))
 
 
+class HostMarkovHead:
+    """The native head bound to one pair of factors, checked once: a decode drafts with the same W1 / W2 every
+    round, so each call checks only the boundary, indices and sampling arguments it is given (the core checks
+    every extent and index again). ``bound`` (``markov_bound(w2)``, or True to build it) lets greedy steps
+    compute exact values only for the tokens in reach of the arg-max: same drafts, less work."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, bound: MarkovBound | bool | None = None):
+        for name, w in (("w1", w1), ("w2", w2)):
+            _cpu_tensor(name, w, 2)
+            if w.dtype != torch.float32 or not w.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous float32 tensor, got {w.dtype} with strides {w.stride()}")
+        vocab, rank = w1.shape
+        if tuple(w2.shape) != (rank, vocab):
+            raise ValueError(f"w1 has shape {tuple(w1.shape)} and w2 {tuple(w2.shape)}, expected [V, R] and [R, V]")
+        if bound is True:
+            bound = markov_bound(w2)
+        if bound and bound.w2 is not w2:
+            raise ValueError("bound was built for another W2 (markov_bound(w2) of this head's w2 expected)")
+        self.w1, self.w2, self.bound, self.vocab, self.rank = w1, w2, bound or None, vocab, rank
+
+    def __call__(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
+                 seed: int = 0, offset: int = 0):
+        _cpu_tensor("boundary", boundary, 4)
+        if boundary.dtype not in _BOUNDARY_DTYPES:
+            raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")
+        if not boundary.is_contiguous():
+            raise ValueError(f"boundary with strides {boundary.stride()} is not contiguous; pass boundary.contiguous()")
+        batch, n_rows, d, vocab = boundary.shape
+        if vocab != self.vocab:
+            raise ValueError(f"boundary's last dimension is {vocab}; expected V = {self.vocab} (w1 has shape "
+                             f"{tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)})")
+        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+        for name, value in (("seed", seed), ("offset", offset)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
+                raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
+        r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
+        pruned = self.bound if temperature == 0 else None
+
+        draft = torch.empty(batch, d, dtype=torch.long)
+        q = torch.empty(batch, d, vocab, dtype=torch.float32) if temperature > 0 else None
+        _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, n_rows, d, vocab, r_np,
+                               bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank, float(temperature),
+                               int(seed), int(offset), draft.numpy(), 0 if q is None else q.data_ptr(),
+                               pruned.w2t.data_ptr() if pruned else 0, pruned.norms.data_ptr() if pruned else 0)
+        return draft, q
+
+
 def markov_head_native(boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, w1: torch.Tensor,
                        w2: torch.Tensor, temperature: float = 0.0, seed: int = 0, offset: int = 0,
                        bound: MarkovBound | None = None):
     """(draft [B, d] long, q [B, d, V] float32 when temperature > 0 else None) for CPU tensors.
 
     boundary [B, n_rows, d, V] float32/bfloat16/float16, contiguous; r, bonus [B] integer; w1 [V, R] and
-    w2 [R, V] float32, contiguous. seed and offset: ints in [0, 2**64). ``bound`` (``markov_bound(w2)``) lets
-    greedy steps compute exact values only for the tokens in reach of the arg-max: same drafts, less work.
+    w2 [R, V] float32, contiguous. seed and offset: ints in [0, 2**64). ``bound``: see HostMarkovHead.
     """
-    _cpu_tensor("boundary", boundary, 4)
-    if boundary.dtype not in _BOUNDARY_DTYPES:
-        raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")
-    if not boundary.is_contiguous():
-        raise ValueError(f"boundary with strides {boundary.stride()} is not contiguous; pass boundary.contiguous()")
-    batch, n_rows, d, vocab = boundary.shape
-    for name, w in (("w1", w1), ("w2", w2)):
-        _cpu_tensor(name, w, 2)
-        if w.dtype != torch.float32 or not w.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 tensor, got {w.dtype} with strides {w.stride()}")
-    rank = w1.shape[1]
-    if tuple(w1.shape) != (vocab, rank) or tuple(w2.shape) != (rank, vocab):
-        raise ValueError(f"w1 has shape {tuple(w1.shape)} and w2 {tuple(w2.shape)}, expected [V, R] and [R, V] "
-                         f"with V = {vocab} (boundary's last dimension)")
-    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
-    for name, value in (("seed", seed), ("offset", offset)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
-            raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
-    r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
-    if bound is not None and bound.w2 is not w2:
-        raise ValueError("bound was built for another W2 (markov_bound(w2) of this call's w2 expected)")
-    use_bound = bound is not None and temperature == 0
-
-    draft = torch.empty(batch, d, dtype=torch.long)
-    q = torch.empty(batch, d, vocab, dtype=torch.float32) if temperature > 0 else None
-    _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, n_rows, d, vocab, r_np,
-                           bonus_np, w1.data_ptr(), w2.data_ptr(), rank, float(temperature), int(seed), int(offset),
-                           draft.numpy(), 0 if q is None else q.data_ptr(),
-                           bound.w2t.data_ptr() if use_bound else 0, bound.norms.data_ptr() if use_bound else 0)
-    return draft, q
+    return HostMarkovHead(w1, w2, bound)(boundary, r, bonus, temperature, seed, offset)

@@ -16,7 +16,7 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.kernels import _triton
-from dpara_rt.native import markov_head_native
+from dpara_rt.native import HostMarkovHead, markov_head_native
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton
 from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_size
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,
@@ -140,10 +140,8 @@ def tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: flo
     return tree_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, int(d), float(scale))
 
 
-def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0,
-                bound=None):
-    """Draft d tokens from boundary[b, r[b]] with the Markov head; (draft [B, d], q [B, d, V] or None).
-    ``bound`` (``native.markov_bound(w2)``) speeds up the native greedy head; other backends ignore it."""
+def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0):
+    """Draft d tokens from boundary[b, r[b]] with the Markov head; (draft [B, d], q [B, d, V] or None)."""
     _tensor("boundary", boundary, 4, "float")
     _tensor("r", r, 1, "int")
     _tensor("bonus", bonus, 1, "int")
@@ -183,8 +181,18 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
         return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
     if native:
         return markov_head_native(boundary.contiguous(), r.cpu(), bonus.cpu(), w1.contiguous(), w2.contiguous(),
-                                  float(temperature), int(seed), int(offset), bound)
+                                  float(temperature), int(seed), int(offset))
     return markov_head_reference(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
+
+
+def markov_head_for(w1, w2):
+    """markov_head(boundary, r, bonus, temperature, seed, offset) with these factors, for a caller that drafts
+    with them every round (a decode). On the host it is the native head with the factors checked once and its
+    greedy bound built once (native.HostMarkovHead); elsewhere markov_head itself."""
+    if backend(w1.device) == "host" and w1.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
+        return HostMarkovHead(w1.contiguous(), w2.contiguous(), bound=True)
+    return lambda boundary, r, bonus, temperature=0.0, seed=0, offset=0: markov_head(
+        boundary, r, bonus, w1, w2, temperature, seed, offset)
 
 
 def _check_draft(draft, batch: int, d: int, vocab: int) -> None:

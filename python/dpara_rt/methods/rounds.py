@@ -24,7 +24,6 @@ from dpara_rt import _core, ops
 from dpara_rt.chain import Chain
 from dpara_rt.core import slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
-from dpara_rt.native import markov_bound
 from dpara_rt.lanes import Lane
 from dpara_rt.models.target import Target
 from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample, uniforms
@@ -230,17 +229,13 @@ class Decoder:
         # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
         self.ring_logits = opts.dpara_ring == "logits"
         self._ring_capacity = ring_capacity
-        self._markov_weights: tuple[Tensor, Tensor] | None = None
-        self._markov_bound = None
+        self._markov_head = None  # the drafter's head (Drafter.markov_head: built once, not per decode)
         if needs_drafter:
             # The drafter's context cache, here or in a drafter worker process (dpara_rt.drafter_context)
             self.context = (WorkerContext(worker, B, target.max_len) if worker is not None
                             else LocalContext(drafter, B, target.max_len))
-            # The head accumulates in fp32: its rank-R factors are converted once per call, not once per round.
-            self._markov_weights = tuple(w.to(drafter.device) for w in drafter.markov_factors(markov))
-            w2 = self._markov_weights[1]
-            # On the host the greedy head skips tokens that its bound puts out of reach (the same drafts)
-            self._markov_bound = markov_bound(w2) if w2.device.type == "cpu" and w2.dtype == torch.float32 else None
+            # The head accumulates in fp32: its rank-R factors are converted (on the host its bound built) once.
+            self._markov_head = drafter.markov_head(markov)
             self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
@@ -357,23 +352,20 @@ class Decoder:
         under the row's seed at the call's offset (what the request alone would draw), with one seed at offset
         calls + (b << 40) (a stream of its own per row). A greedy row of a sampled batch gets q one-hot at its
         draft token, which verification against its one-hot p accepts exactly when AR greedy would."""
-        w1, w2 = self._markov_weights
         dev = boundary.device
         self._markov_calls += 1  # each call draws fresh Gumbel noise
         r, bonus = r.to(dev), bonus.to(dev)
         opts = self.opts
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
             seed = opts.seed[0] if opts.per_request_seeds else opts.seed
-            return ops.markov_head(boundary, r, bonus, w1, w2, self._head_temps[0], seed, self._markov_calls,
-                                   self._markov_bound)
+            return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls)
         drafts, qs = [], []
         for b, temp in enumerate(self._head_temps):
             if opts.per_request_seeds:
                 seed, offset = opts.seed[b], self._markov_calls
             else:
                 seed, offset = opts.seed, self._markov_calls + (b << _ROW_STREAM_SHIFT)
-            draft, q = ops.markov_head(boundary[b:b + 1], r[b:b + 1], bonus[b:b + 1], w1, w2, temp, seed, offset,
-                                       self._markov_bound)
+            draft, q = self._markov_head(boundary[b:b + 1], r[b:b + 1], bonus[b:b + 1], temp, seed, offset)
             if q is None and opts.sampling:
                 q = torch.nn.functional.one_hot(draft, boundary.shape[-1]).float()
             drafts.append(draft)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from dpara_rt import ops
 from dpara_rt.ops import MAX_DRAFT, tree_attention
 
 MASK_ID = -1
@@ -271,6 +272,20 @@ class Drafter(nn.Module):
             return tuple(w.detach().float().contiguous() for w in self.markov_parameters)
         v = self.config.vocab_size
         return (torch.zeros(v, 1, device=self.device), torch.zeros(1, v, device=self.device))
+
+    def __getstate__(self):  # pickled into a drafter worker process: the cached head is rebuilt where it is used
+        state = self.__dict__.copy()
+        state.pop("_markov_head", None)
+        return state
+
+    def markov_head(self, enabled: bool = True):
+        """ops.markov_head_for(*markov_factors(enabled)): the head a decode drafts with, kept while the factors,
+        their device and the ops backend stay the same (building it converts W2 and, on the host, its bound)."""
+        key = (enabled, ops.backend(self.device), *((p.data_ptr(), p._version) for p in self.markov_parameters))
+        cached = self.__dict__.get("_markov_head")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_markov_head"] = (key, ops.markov_head_for(*self.markov_factors(enabled)))
+        return cached[1]
 
     # ------------------------------------------------------------ building blocks
     @property
