@@ -41,8 +41,9 @@ def _index_array(name: str, t: torch.Tensor, batch: int):
 
 
 class MarkovBound(NamedTuple):
-    """What a greedy native head needs to skip tokens out of reach: W2 transposed [V, R] and its column norms
-    [V], rounded up. Built once per W2 (``markov_bound``); the drafts are the same with or without it."""
+    """What a greedy native head needs to skip tokens out of reach: W2 transposed [V, R] (bfloat16 when that
+    holds W2 exactly, as a bf16 drafter's factors do: half the bytes) and its column norms [V], rounded up.
+    Built once per W2 (``markov_bound``); the drafts are the same with or without it."""
     w2: torch.Tensor
     w2t: torch.Tensor
     norms: torch.Tensor
@@ -54,7 +55,10 @@ def markov_bound(w2: torch.Tensor) -> MarkovBound:
     if w2.dtype != torch.float32:
         raise ValueError(f"w2 must be float32, got {w2.dtype}")
     norms = torch.linalg.vector_norm(w2.double(), dim=0).float()
-    return MarkovBound(w2, w2.t().contiguous(), torch.nextafter(norms, torch.tensor(float("inf"))))
+    w2t = w2.t().contiguous()
+    if torch.equal(w2t.bfloat16().float(), w2t):
+        w2t = w2t.bfloat16()
+    return MarkovBound(w2, w2t, torch.nextafter(norms, torch.tensor(float("inf"))))
 
 
 class HostMarkovHead:
@@ -101,7 +105,9 @@ class HostMarkovHead:
         _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, n_rows, d, vocab, r_np,
                                bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank, float(temperature),
                                int(seed), int(offset), draft.numpy(), 0 if q is None else q.data_ptr(),
-                               pruned.w2t.data_ptr() if pruned else 0, pruned.norms.data_ptr() if pruned else 0)
+                               pruned.w2t.data_ptr() if pruned else 0,
+                               _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
+                               pruned.norms.data_ptr() if pruned else 0)
         return draft, q
 
 

@@ -27,13 +27,14 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
 // Every extent and index is validated before anything is written: std::invalid_argument names the value
 // and what was expected. Not thread-hostile: no shared state, one scratch allocation per call.
 // (temperature is a double so that float32(1/T) rounds exactly as the Python side does.)
-// w2t [vocab, rank] (W2 transposed) and w2_norms [vocab] (w2_norms[v] >= |W2[:, v]|, rounded up), both
-// given or both null: greedy steps then compute the exact value only for the tokens that the bound
-// |W1[x] @ W2[:, v]| <= |W1[x]| |W2[:, v]| leaves in reach of the arg-max. Same drafts either way.
+// w2t [vocab, rank] (W2 transposed; float32, or bfloat16 when that holds W2 exactly) and w2_norms [vocab]
+// (w2_norms[v] >= |W2[:, v]|, rounded up), both given or both null: greedy steps then compute the exact value
+// only for the tokens that the bound |W1[x] @ W2[:, v]| <= |W1[x]| |W2[:, v]| leaves in reach of the arg-max.
+// Same drafts either way.
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
-                      std::uint64_t offset, std::int64_t* draft_out, float* q_out, const float* w2t = nullptr,
-                      const float* w2_norms = nullptr);
+                      std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t = nullptr,
+                      DType w2t_dtype = DType::float32, const float* w2_norms = nullptr);
 
 }  // namespace dpara_rt
