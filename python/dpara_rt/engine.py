@@ -189,17 +189,19 @@ class Engine:
             return self._open
 
     def auto_choice(self, prompts: list[list[int]], opts: DecodeOptions, ticket: "_Ticket") -> str:
-        """Adaptive mode: the first time a batch size is seen, time a short run of each candidate variant
+        """Adaptive mode: the first time a batch size is seen, time short runs of each candidate variant
         (dspark, dpara with either ring) on these prompts with the engine's placement, and keep the fastest per
-        committed token for that batch size."""
+        committed token for that batch size. The candidates take turns twice and each keeps its faster run, so a
+        first run's warm-up (a drafter worker's first call, cold caches) does not decide."""
         B = len(prompts)
         if B not in self.auto_choices:
             short = dataclasses.replace(opts, max_new_tokens=min(4 * (opts.d + 1), opts.max_new_tokens))
-            cost = {}
-            for name in AUTO_CANDIDATES:
-                for _ in self._decode(ticket, *_with_variant(name, short), prompts, False):
-                    pass
-                cost[name] = self.last_stats.wall_s / max(self.last_stats.new_tokens, 1)
+            cost = dict.fromkeys(AUTO_CANDIDATES, float("inf"))
+            for _ in range(2):
+                for name in AUTO_CANDIDATES:
+                    for _ in self._decode(ticket, *_with_variant(name, short), prompts, False):
+                        pass
+                    cost[name] = min(cost[name], self.last_stats.wall_s / max(self.last_stats.new_tokens, 1))
             self.auto_choices[B] = min(cost, key=cost.get)
         return self.auto_choices[B]
 

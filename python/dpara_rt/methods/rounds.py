@@ -328,14 +328,14 @@ class Decoder:
 
     # ------------------------------------------------------------------ drafting
     def absorb(self, out: Outcome) -> None:
-        """Drafter lane: give the drafter's context cache the features of what `out` accepted."""
+        """Head lane: give the drafter's context cache the features of what `out` accepted."""
         self.head_lane.wait(out.ready)
         self.context.absorb(out.features, out.keep)
         if out.round > 0:
             self._release(self.head_lane, "features", out.phase)
 
     def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
-        """Drafter lane: stage the draft for the round after `prev`."""
+        """Head lane (the drafter lane unless a worker process drafts): stage the draft for the round after `prev`."""
         rnd = prev.round + 1
         staged = self._stage(self.head_lane, "draft", tokens.to(torch.int32), rnd % 2)
         return Draft(rnd, prev.bonus, tokens, staged, q, self.head_lane.record())
@@ -382,10 +382,11 @@ class Decoder:
         return (draft, q, logits) if with_logits else (draft, q)
 
     def start_boundary(self, prev: Outcome | None, draft: Draft, slot: int) -> None:
-        """Drafter lane, in the link that sent `draft`: absorb what `prev` accepted (None: nothing new), then fill
+        """Head lane, in the link that sent `draft`: absorb what `prev` accepted (None: nothing new), then fill
         ring slot `slot` with the boundary logits of every outcome of `draft`, beside its verification. In this
-        process both are links of the drafter lane. With a drafter worker process both are sent now, so the
-        lane's thread runs no Python while the target verifies, and the Markov head's link settles them."""
+        process both are links of the drafter lane. With a drafter worker process both go out now as one
+        message, so no thread of this process runs drafting Python while the target verifies, and the next
+        Markov head's link settles them."""
         if not self.context.remote:
             if prev is not None:
                 self.post(self.drafter_lane, "context", lambda: self.absorb(prev))
@@ -399,7 +400,7 @@ class Decoder:
         self._in_worker = (self.chain.round, slot, prev.phase if staged else None)
 
     def _settle(self) -> None:
-        """Drafter lane: wait for what start_boundary sent to the worker, put its spans on the timeline, hand the
+        """Head lane: wait for what start_boundary sent to the worker, put its spans on the timeline, hand the
         features phase back and mark the slot ready."""
         if self._in_worker is None:
             return
@@ -418,7 +419,7 @@ class Decoder:
         self.ring.mark_ready(slot, self.drafter_lane.record())
 
     def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
-        """Drafter lane: the Markov head on branch r of ring slot `slot`, from the staged (r, bonus)."""
+        """Head lane: the Markov head on branch r of ring slot `slot`, from the staged (r, bonus)."""
         self._settle()
         out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
         rb = self._staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
