@@ -9,9 +9,9 @@ and memory bandwidth).
 the same calls to a ``DrafterWorker``: a spawned process holding the drafter (its weights, and the target's
 embedding and output head, shared with this process, not copied) and the context cache. The boundary ring and
 the features staging are the core's shared memory (memfds), mapped by both processes, so boundary logits and
-features never cross the pipe; a call carries only token ids and row counts. The drafter lane's thread in this
-process makes the call and waits for the reply without the GIL, so the chain of lane jobs, the ring's slot
-states and the lanes' events are the same as with a thread. The Markov head stays in this process and reads
+features never cross the pipe; a call carries only token ids and row counts. A round's absorb and backbone go
+out as one message (``absorb_and_fill``) that the caller does not wait for; the next Markov head ``settle``s it.
+The ring's slot states and the lanes' events stay in this process, and so does the Markov head, which reads
 branch r straight from the shared slot.
 """
 from __future__ import annotations
@@ -70,9 +70,9 @@ class LocalContext:
 
 
 class WorkerContext:
-    """The same calls as LocalContext, made in a DrafterWorker from the drafter lane's thread. ``absorb`` and
-    ``boundary`` return at once: the caller does not wait (nor hold the interpreter) while the worker runs them,
-    and ``settle`` waits for them, raising the first error; every other call waits for its result."""
+    """The same calls as LocalContext, made in a DrafterWorker, from one lane at a time. ``absorb``, ``boundary``
+    and ``absorb_and_fill`` return at once: the caller neither waits nor holds the interpreter while the worker
+    runs them, and ``settle`` waits for them, raising the first error; every other call waits for its result."""
     remote = True
 
     def __init__(self, worker: "DrafterWorker", batch: int, max_len: int):
@@ -89,12 +89,16 @@ class WorkerContext:
                                  "needs staging and ring built with shared=True")
         self._staged_features = {staging.data_ptr("features", p): p for p in (0, 1)}
         self.worker.call("map_buffers", staging.nbytes, {p: staging.offset("features", p) for p in (0, 1)},
-                    ring.nbytes, (ring.capacity, ring.batch, ring.d + 1, ring.d, ring.vocab), ring.dtype,
-                    fds=(staging.shared_fd, ring.shared_fd))
+                         ring.nbytes, (ring.capacity, ring.batch, ring.d + 1, ring.d, ring.vocab), ring.dtype,
+                         fds=(staging.shared_fd, ring.shared_fd))
+
+    def _staged_phase(self, features: torch.Tensor) -> int | None:
+        """The features staging phase `features` is (a round's features, staged by the target lane), or None."""
+        return self._staged_features.get(features.data_ptr()) if features.is_contiguous() else None
 
     def absorb(self, features: torch.Tensor, keep: torch.Tensor) -> None:
-        keep = [int(k) for k in keep]
-        phase = self._staged_features.get(features.data_ptr()) if features.is_contiguous() else None
+        keep = torch.as_tensor(keep).tolist()
+        phase = self._staged_phase(features)
         if phase is not None:  # a round's features: the worker reads them where the target lane staged them
             self.worker.post("absorb_staged", phase, tuple(features.shape), str(features.dtype), keep)
         else:  # a prefill's or a restart's features: sent through torch's shared memory (once per decode or join)
@@ -112,12 +116,12 @@ class WorkerContext:
         verification costs one send here and one reply to settle."""
         if keep is None:
             return self.boundary(spine, slot, None, project)
-        phase = self._staged_features.get(features.data_ptr()) if features.is_contiguous() else None
+        phase = self._staged_phase(features)
         if phase is None:
             self.absorb(features, keep)
             return self.boundary(spine, slot, None, project)
-        self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype), keep.tolist(),
-                         spine.tolist(), slot, project)
+        self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype),
+                         torch.as_tensor(keep).tolist(), spine.tolist(), slot, project)
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, features.contiguous())
@@ -337,7 +341,8 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
 
 
 def _serve(conn, drafter, cores, threads: int) -> None:
-    """The worker process's loop: one call at a time, each answered with (status, value, traceback)."""
+    """The worker process's loop: one call at a time, each answered with ("ok", value, (start_ns, end_ns)) or
+    ("error", exception, traceback text)."""
     if cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(threads)
