@@ -6,7 +6,9 @@
 
 Placement: ``split`` gives the target and the drafter a device each (two CUDA devices, or on the CPU two
 host lanes pinned to a core each); ``colocated`` (DPara-single) puts both lanes on one device (two streams
-of one GPU, or two host lanes sharing one core). The constructor's sampling arguments are defaults; each
+of one GPU, or two host lanes sharing one core). With ``split`` on the host, DPara's drafter forwards run in a
+worker process (``drafter_worker``: "auto", "process" or "thread"; see dpara_rt.drafter_context) that the engine
+starts at its first DPara decode and ``close()`` stops. The constructor's sampling arguments are defaults; each
 call may override them. Sampling draws from temperature, then top-k (0 = off), then top-p (1 = off) with every
 method: speculative verification uses the same truncated target distribution as AR, so it stays lossless.
 A call may give temperature, top_p, top_k and seed per request (a sequence with one value per prompt); see
