@@ -192,18 +192,23 @@ class Engine:
 
     def auto_choice(self, prompts: list[list[int]], opts: DecodeOptions, ticket: "_Ticket") -> str:
         """Adaptive mode: the first time a batch size is seen, time short runs of each candidate variant
-        (dspark, dpara with either ring) on these prompts with the engine's placement, and keep the fastest per
-        committed token for that batch size. The candidates take turns twice and each keeps its faster run, so a
-        first run's warm-up (a drafter worker's first call, cold caches) does not decide."""
+        (dspark, dpara with either ring) on these prompts with the engine's placement, and keep the one with the
+        least time per committed token in steady state: (verify + exposed draft) per round over tau, which leaves
+        out the prefill and the first round (drafted serially by every method), both the same for all and most
+        of a short run's noise. The candidates take turns three times and each keeps its best run, so the first
+        turn's warm-up (a drafter worker's first calls, cold caches), measured slower for every candidate, does not
+        decide."""
         B = len(prompts)
         if B not in self.auto_choices:
             short = dataclasses.replace(opts, max_new_tokens=min(4 * (opts.d + 1), opts.max_new_tokens))
             cost = dict.fromkeys(AUTO_CANDIDATES, float("inf"))
-            for _ in range(2):
+            for _ in range(3):
                 for name in AUTO_CANDIDATES:
                     for _ in self._decode(ticket, *_with_variant(name, short), prompts, False):
                         pass
-                    cost[name] = min(cost[name], self.last_stats.wall_s / max(self.last_stats.new_tokens, 1))
+                    st = self.last_stats
+                    per_token = (st.verify_ms + st.exposed_draft_ms) / st.tau if st.tau else float("inf")
+                    cost[name] = min(cost[name], per_token)
             self.auto_choices[B] = min(cost, key=cost.get)
         return self.auto_choices[B]
 
