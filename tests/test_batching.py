@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def _run(eng, timeline, batch, cancel_after: dict | None = None, max_batch: int 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_joins_and_leaves_keep_every_greedy_output(pair, name):
     eng = _engine(pair, name)
-    rng = random.Random(hash(name) % 1000)
+    rng = random.Random(zlib.crc32(name.encode()))  # not hash(): str hashes change with every process
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 64, (rng.randint(2, 12),), generator=g).tolist() for _ in range(7)]
     max_new = [rng.randint(6, 24) for _ in prompts]
