@@ -24,6 +24,8 @@ class Chain:
         self._results: queue.SimpleQueue = queue.SimpleQueue()  # emitted items, None at the end, or an error
         self._stopped = False
         self._deferred = threading.local()     # links queued by a running link, submitted once its span closed
+        self._held: list = []                  # emitted with hold=True, not yet handed to the consumer
+        self._held_lock = threading.Lock()     # a failing link of either lane flushes them
 
     def timed(self, phase: str, lane: Lane, fn: Callable[[], object]) -> Callable[[], object]:
         """fn wrapped so that each run adds one (round, phase, lane) span to the timeline."""
@@ -58,6 +60,7 @@ class Chain:
                 job()
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 self._stopped = True
+                self.flush()
                 self._results.put(e)
             # Links this one queued go out after its span closed, so spans never include the next link's start.
             links, self._deferred.links = self._deferred.links, None
@@ -69,10 +72,26 @@ class Chain:
         else:
             lane.submit(guarded)
 
-    def emit(self, item) -> None:
+    def emit(self, item, hold: bool = False) -> None:
+        """Hand `item` to the consumer; with hold=True at the next flush() (or the chain's end or error). Waking
+        the consumer's thread costs the waking link interpreter time: a link on the critical path holds its
+        items, and the next link that spends most of its time in native ops (verification) flushes them."""
+        with self._held_lock:
+            if hold:
+                self._held.append(item)
+                return
+        self.flush()
         self._results.put(item)
 
+    def flush(self) -> None:
+        """Hand the held items to the consumer, in order."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        for item in held:
+            self._results.put(item)
+
     def finish(self) -> None:
+        self.flush()
         self._results.put(None)
 
     def cancel(self, error: BaseException) -> None:

@@ -101,11 +101,11 @@ class WorkerContext:
         phase = self._staged_phase(features)
         if phase is not None:  # a round's features: the worker reads them where the target lane staged them
             self.worker.post("absorb_staged", phase, tuple(features.shape), str(features.dtype), keep)
-        else:  # a prefill's or a restart's features: sent through torch's shared memory (once per decode or join)
-            self.worker.post("absorb", features.contiguous(), keep)
+        else:  # a prefill's or a restart's features: once per decode or join
+            self.worker.post("absorb", _to_pipe(features), keep)
 
     def block_logits(self, bonus: torch.Tensor, n: int, untrained_ok: bool) -> torch.Tensor:
-        return self.worker.call("block_logits", bonus.tolist(), n, untrained_ok)
+        return _from_pipe(self.worker.call("block_logits", bonus.tolist(), n, untrained_ok))
 
     def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor | None, project: bool) -> None:
         self.worker.post("boundary", spine.tolist(), slot, project)
@@ -124,7 +124,7 @@ class WorkerContext:
                          torch.as_tensor(keep).tolist(), spine.tolist(), slot, project)
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
-        self.worker.call("reset_row", b, features.contiguous())
+        self.worker.call("reset_row", b, _to_pipe(features))
 
     def grow(self, batch: int) -> None:
         self.worker.call("grow", batch)
@@ -300,8 +300,8 @@ class _Worker:
         slots = torch.frombuffer(ring, dtype=getattr(torch, ring_dtype)).view(ring_shape)
         self._slots = list(slots)
 
-    def absorb(self, features: torch.Tensor, keep: list[int]) -> None:
-        self.drafter.extend_context(self.cache, features, torch.tensor(keep))
+    def absorb(self, features: tuple, keep: list[int]) -> None:
+        self.drafter.extend_context(self.cache, _from_pipe(features), torch.tensor(keep))
 
     def absorb_staged(self, phase: int, shape: tuple, dtype: str, keep: list[int]) -> None:
         dt = getattr(torch, dtype.removeprefix("torch."))
@@ -319,18 +319,34 @@ class _Worker:
         self.boundary(spine, slot, project)
         return t
 
-    def block_logits(self, bonus: list[int], n: int, untrained_ok: bool) -> torch.Tensor:
-        # Returned through shared memory: a decode's first draft and restarts only, not every round.
-        return self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok)
+    def block_logits(self, bonus: list[int], n: int, untrained_ok: bool) -> tuple:
+        # A decode's first draft and restarts only, not every round.
+        return _to_pipe(self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok))
 
     def boundary(self, spine: list[list[int]], slot: int, project: bool) -> None:
         self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=self._slots[slot], project=project)
 
-    def reset_row(self, b: int, features: torch.Tensor) -> None:
-        _reset_row(self.drafter, self.cache, b, features)
+    def reset_row(self, b: int, features: tuple) -> None:
+        _reset_row(self.drafter, self.cache, b, _from_pipe(features))
 
     def grow(self, batch: int) -> None:
         self.cache = _grown(self.drafter, self.cache, batch)
+
+
+def _to_pipe(t: torch.Tensor) -> tuple:
+    """A tensor as (dtype, shape, bytes) for the pipe. Pickled bytes cross it in one write; torch's shared-memory
+    pickling of a tensor would pass a file descriptor through a helper thread and socket (about a millisecond
+    under spawn, and the receiving side's wait is on the critical path of a decode's first draft)."""
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _from_pipe(packed: tuple) -> torch.Tensor:
+    dtype, shape, raw = packed
+    dtype = getattr(torch, dtype)
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
 
 
 def _map(fd: int, nbytes: int) -> mmap.mmap:

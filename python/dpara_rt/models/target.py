@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,9 +77,8 @@ class TargetBase:
         if tokens.dtype != torch.long:
             raise ValueError(f"verify tokens dtype {tokens.dtype}; expected torch.long token ids")
         T = tokens.shape[1]
-        over = (lengths + T > self.max_len).nonzero().flatten().tolist()
-        if over:
-            r = over[0]
+        if int(lengths.max()) + T > self.max_len:
+            r = int(np.flatnonzero(lengths.numpy() + T > self.max_len)[0])
             raise ValueError(f"row {r}: length {int(lengths[r])} + {T} verify tokens exceeds max_len {self.max_len}")
         return tokens
 
@@ -87,8 +87,9 @@ class TargetBase:
         n = torch.as_tensor(n, dtype=torch.long).cpu()
         if n.shape != (self.batch,):
             raise ValueError(f"commit counts shape {tuple(n.shape)}; expected [{self.batch}]")
-        bad = ((n < 0) | (n > self._last_t)).nonzero().flatten().tolist()
-        if bad:
+        a = n.numpy()  # numpy: these checks run every round, and torch's small-tensor ops cost tens of us
+        if a.size and (a.min() < 0 or a.max() > self._last_t):
+            bad = np.flatnonzero((a < 0) | (a > self._last_t)).tolist()
             raise ValueError(f"commit counts {n.tolist()}: rows {bad} outside [0, {self._last_t}] "
                              "(the T of the last verify not yet committed)")
         return n
