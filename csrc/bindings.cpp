@@ -20,6 +20,7 @@
 #include "dpara_rt/round_state.h"
 #include "dpara_rt/staging.h"
 #include "dpara_rt/types.h"
+#include "dpara_rt/verify.h"
 
 namespace py = pybind11;
 using namespace dpara_rt;
@@ -433,6 +434,22 @@ PYBIND11_MODULE(_core, m) {
       "up) for bound-pruned greedy steps, or 0.");
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
+  // Buffers as data_ptr() integers (numpy views would cost more than the work at small batch): dpara_rt.native
+  // checks the tensors; the core checks every extent, token id and uniform.
+  m.def("verify_sample_host", [](std::uintptr_t p_ptr, std::uintptr_t q_ptr, std::uintptr_t draft_ptr,
+                                 std::uintptr_t u_accept_ptr, std::uintptr_t u_bonus_ptr, std::int64_t batch, int d,
+                                 std::int64_t vocab, std::uintptr_t r_ptr, std::uintptr_t bonus_ptr) {
+        py::gil_scoped_release nogil;
+        verify_sample_host(reinterpret_cast<const float*>(p_ptr), reinterpret_cast<const float*>(q_ptr),
+                           reinterpret_cast<const std::int64_t*>(draft_ptr),
+                           reinterpret_cast<const float*>(u_accept_ptr), reinterpret_cast<const float*>(u_bonus_ptr),
+                           batch, d, vocab, reinterpret_cast<std::int64_t*>(r_ptr),
+                           reinterpret_cast<std::int64_t*>(bonus_ptr));
+      }, py::arg("p_ptr"), py::arg("q_ptr"), py::arg("draft_ptr"), py::arg("u_accept_ptr"), py::arg("u_bonus_ptr"),
+      py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("r_ptr"), py::arg("bonus_ptr"),
+      "Lossless rejection-sampling verification (verify_sample_reference's decisions) over contiguous float32 "
+      "p [B, d+1, V], q [B, d, V], u_accept [B, d], u_bonus [B] and int64 draft [B, d]: writes int64 r and bonus "
+      "[B] at r_ptr and bonus_ptr.");
 
   m.def("tree_metadata", [](const py::object& d_arg) {
         const int d = as_int(d_arg, "d");

@@ -436,12 +436,6 @@ DPARA_RT_HOT void softmax_row(float* q, std::int64_t n) {
 
 // ------------------------------------------------------------------------------------- validation
 
-std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
-  std::int64_t out;
-  if (__builtin_mul_overflow(a, b, &out)) detail::value_error(kWhat, what, " = ", a, " * ", b, " overflows int64");
-  return out;
-}
-
 // A token id or row index: lo <= value < hi.
 void check_index(const char* name, std::int64_t b, std::int64_t value, std::int64_t hi, const char* bound) {
   if (value < 0 || value >= hi)
@@ -452,6 +446,7 @@ void check_args(const void* boundary, DType dtype, std::int64_t batch, std::int6
                 std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus, const float* w1,
                 const float* w2, std::int64_t rank, double temperature, const std::int64_t* draft_out,
                 const float* q_out) {
+  using detail::checked_mul;
   using detail::value_error;
   if (batch < 0) value_error(kWhat, "batch = ", batch, ", expected >= 0");
   if (n_rows < 1) value_error(kWhat, "n_rows = ", n_rows, ", expected >= 1 (acceptance rows per request)");
@@ -465,13 +460,14 @@ void check_args(const void* boundary, DType dtype, std::int64_t batch, std::int6
   if (row_stride < row)
     value_error(kWhat, "row_stride = ", row_stride, ", expected >= d * vocab = ", row, " (rows must not overlap)");
   // Every byte offset the loops form must fit in int64 (and so in size_t).
-  const std::int64_t rows = checked_mul(batch, n_rows, "batch * n_rows");
+  const std::int64_t rows = checked_mul(kWhat, batch, n_rows, "batch * n_rows");
   if (rows > 0)
-    checked_mul(checked_mul(rows - 1, row_stride, "(batch * n_rows - 1) * row_stride") + row,
+    checked_mul(kWhat, checked_mul(kWhat, rows - 1, row_stride, "(batch * n_rows - 1) * row_stride") + row,
                 std::int64_t(dtype_size(dtype)), "boundary bytes");
-  checked_mul(checked_mul(vocab, rank, "vocab * rank"), std::int64_t(sizeof(float)), "w1 bytes");
-  const std::int64_t outputs = checked_mul(checked_mul(batch, d, "batch * d"), vocab, "batch * d * vocab");
-  checked_mul(outputs, std::int64_t(sizeof(float)), "q bytes");
+  checked_mul(kWhat, checked_mul(kWhat, vocab, rank, "vocab * rank"), std::int64_t(sizeof(float)), "w1 bytes");
+  const std::int64_t outputs =
+      checked_mul(kWhat, checked_mul(kWhat, batch, d, "batch * d"), vocab, "batch * d * vocab");
+  checked_mul(kWhat, outputs, std::int64_t(sizeof(float)), "q bytes");
 
   if (!std::isfinite(temperature) || temperature < 0)
     value_error(kWhat, "temperature = ", temperature, ", expected a finite value >= 0 (0 = greedy)");

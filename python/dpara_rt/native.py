@@ -2,8 +2,10 @@
 
 ``markov_head_native`` has the contract of ``dpara_rt.kernels.markov_head.markov_head_reference`` (same
 drafts, same q, the same Philox stream as the Triton kernel) at a fraction of its cost: one call into
-``_core.markov_head_host``, which runs without the GIL. This module checks the tensors (the core
-validates every extent and index again, naming the value); ``dpara_rt.ops`` decides when to use it.
+``_core.markov_head_host``, which runs without the GIL. ``verify_sample_native`` makes the decisions of
+``dpara_rt.kernels.verify.verify_sample_reference`` bit for bit through ``_core.verify_sample_host``. This
+module checks the tensors (the core validates every extent, index and value again, naming it);
+``dpara_rt.ops`` decides when to use them.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from dpara_rt import _core
 
-__all__ = ["HostMarkovHead", "MarkovBound", "markov_bound", "markov_head_native"]
+__all__ = ["HostMarkovHead", "MarkovBound", "markov_bound", "markov_head_native", "verify_sample_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -25,7 +27,7 @@ def _cpu_tensor(name: str, t, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor (the native head runs on the host)")
+        raise ValueError(f"{name} is on {t.device}, expected a CPU tensor (the native kernels run on the host)")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
@@ -120,3 +122,40 @@ def markov_head_native(boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Ten
     w2 [R, V] float32, contiguous. seed and offset: ints in [0, 2**64). ``bound``: see HostMarkovHead.
     """
     return HostMarkovHead(w1, w2, bound)(boundary, r, bonus, temperature, seed, offset)
+
+
+def _host_buffer(name: str, t, dtype: torch.dtype, shape: tuple, layout: str) -> None:
+    """t: a contiguous CPU tensor of exactly this dtype and shape (attribute reads only: no torch ops)."""
+    if isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype and t.shape == shape and t.is_contiguous():
+        return  # the per-round case, in one expression; the checks below name what is wrong
+    _cpu_tensor(name, t, len(shape))
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+    if t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {layout} = {shape}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} with strides {t.stride()} is not contiguous; pass {name}.contiguous()")
+
+
+def verify_sample_native(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u_accept: torch.Tensor,
+                         u_bonus: torch.Tensor):
+    """(r [B] long, bonus [B] long): verify_sample_reference's decisions for CPU tensors, bit for bit.
+
+    p [B, d+1, V], q [B, d, V], u_accept [B, d], u_bonus [B] float32; draft [B, d] int64; all contiguous.
+    The core checks the values (draft ids in [0, V), uniforms in [0, 1)) before writing anything.
+    """
+    _cpu_tensor("p", p, 3)
+    batch, n_pos, vocab = p.shape
+    d = n_pos - 1
+    if not 1 <= d <= _core.MAX_DRAFT:
+        raise ValueError(f"p has {n_pos} rows per request, expected d+1 with draft length d in 1..{_core.MAX_DRAFT}")
+    _host_buffer("p", p, torch.float32, (batch, n_pos, vocab), "[B, d+1, V]")
+    _host_buffer("q", q, torch.float32, (batch, d, vocab), "[B, d, V]")
+    _host_buffer("draft", draft, torch.long, (batch, d), "[B, d]")
+    _host_buffer("u_accept", u_accept, torch.float32, (batch, d), "[B, d]")
+    _host_buffer("u_bonus", u_bonus, torch.float32, (batch,), "[B]")
+    r = torch.empty(batch, dtype=torch.long)
+    bonus = torch.empty(batch, dtype=torch.long)
+    _core.verify_sample_host(p.data_ptr(), q.data_ptr(), draft.data_ptr(), u_accept.data_ptr(), u_bonus.data_ptr(),
+                             batch, d, vocab, r.data_ptr(), bonus.data_ptr())
+    return r, bonus

@@ -1,5 +1,5 @@
 """The DPara kernels behind one interface: Triton for CUDA tensors; for CPU tensors the C++ core's native
-Markov head and the torch reference for the rest ('host').
+Markov head and sampled verification, and the torch reference for the rest ('host').
 
 The environment variable DPARA_RT_OPS=triton|torch|host forces a backend (triton on CPU tensors runs under
 TRITON_INTERPRET=1; torch runs every reference). Every entry point validates its inputs before any launch and raises ValueError
@@ -16,7 +16,7 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.kernels import _triton
-from dpara_rt.native import HostMarkovHead, markov_head_native
+from dpara_rt.native import HostMarkovHead, markov_head_native, verify_sample_native
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton
 from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_size
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,
@@ -217,8 +217,16 @@ def verify_greedy(target_logits, draft):
     return verify_greedy_reference(target_logits, draft)
 
 
+def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous `dtype` tensor for the native core; t itself (no torch op) when it already is one."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def verify_sample(p, q, draft, u_accept, u_bonus):
-    """Lossless rejection-sampling verification: (accepted r [B] long, bonus [B] long)."""
+    """Lossless rejection-sampling verification: (accepted r [B] long, bonus [B] long).
+
+    On the host (CPU tensors) this is the native core (native.verify_sample_native): the reference's decisions,
+    bit for bit, with no torch reduction on the way."""
     _tensor("p", p, 3, "float")
     _tensor("q", q, 3, "float")
     batch, n_pos, vocab = p.shape
@@ -231,8 +239,14 @@ def verify_sample(p, q, draft, u_accept, u_bonus):
     _shape("u_bonus", u_bonus, (batch,), "[B]")
     _same_device(("p", p), ("q", q), ("draft", draft), ("u_accept", u_accept), ("u_bonus", u_bonus))
     _rows_contiguous(("p", p), ("q", q), ("draft", draft), ("u_accept", u_accept))
+    chosen = backend(p.device)
+    if chosen == "host" and p.device.type == "cpu":
+        # The core checks every draft id and uniform itself, naming the value: no torch reductions here. Other
+        # float dtypes widen to float32 exactly, as the reference's .float() does.
+        return verify_sample_native(_host(p, torch.float32), _host(q, torch.float32), _host(draft, torch.long),
+                                    _host(u_accept, torch.float32), _host(u_bonus, torch.float32))
     if batch:
         _in_range(("draft", draft, 0, vocab), ("u_accept", u_accept, 0.0, 1.0), ("u_bonus", u_bonus, 0.0, 1.0))
-    if backend(p.device) == "triton":
+    if chosen == "triton":
         return verify_sample_triton(p, q, draft, u_accept, u_bonus)
     return verify_sample_reference(p, q, draft, u_accept, u_bonus)

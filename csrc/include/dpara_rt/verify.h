@@ -1,0 +1,22 @@
+#pragma once
+// Lossless rejection-sampling verification on host memory: the contract of verify_sample_reference in
+// kernels/verify.py, with the same decisions bit for bit. For each request b:
+//   r = number of leading positions i < d with u_accept[b, i] * q[b, i, t_i] < p[b, i, t_i]   (float32)
+//   w = max(p[b, r] - q[b, r], 0) if r < d, else max(p[b, d], 0)                               (float32)
+//       and p[b, r] itself when every element of that residual is <= 0 (p and q equal up to rounding)
+//   bonus = the first v with w[v] > 0 whose float64 running sum of w (in index order) exceeds
+//       double(u_bonus[b]) * (the whole row's running sum); if none, the last v with w[v] > 0 (0 if none).
+#include <cstdint>
+
+namespace dpara_rt {
+
+// p: [batch, d+1, vocab], q: [batch, d, vocab] float32; draft: [batch, d] int64; u_accept: [batch, d] and
+// u_bonus: [batch] float32; all contiguous, row-major. Writes r_out and bonus_out [batch].
+// Every extent, token id and uniform is validated before anything is written (draft ids in 0..vocab-1,
+// uniforms in [0, 1), NaN failing): std::invalid_argument names the value and what was expected.
+// No shared state (per-thread scratch, grown to the largest vocabulary seen), so threads may call it at once.
+void verify_sample_host(const float* p, const float* q, const std::int64_t* draft, const float* u_accept,
+                        const float* u_bonus, std::int64_t batch, int d, std::int64_t vocab, std::int64_t* r_out,
+                        std::int64_t* bonus_out);
+
+}  // namespace dpara_rt
