@@ -29,14 +29,21 @@ def _engine(pair, name, max_batch=4, **kw):
 
 
 class Timeline:
-    """A scheduler stand-in whose requests become visible at given rounds of the running decode."""
+    """A scheduler stand-in whose requests become visible at given rounds of the running decode (the decode's
+    own count: the consumer's lags the lanes by a round or more), or once every earlier request has ended."""
 
     def __init__(self, eng, plan):
         self.eng, self.plan, self.rounds = eng, sorted(plan, key=lambda p: p[0]), 0
         self.ended: dict[int, str] = {}
 
     def visible(self):
-        return [req for when, req in self.plan if when <= self.rounds]
+        ticket = self.eng._open
+        dec = getattr(ticket, "decoder", None)
+        if dec is None:
+            return [req for when, req in self.plan if when <= self.rounds]
+        rounds = int(dec.state.rounds())
+        idle = rounds > 0 and not bool(dec.running_mask().any())  # every request ended before the next arrived
+        return [req for when, req in self.plan if when <= rounds or idle]
 
     def waiting(self, fits=None):
         return len([r for r in self.visible() if fits is None or fits(r)])

@@ -20,6 +20,7 @@ import contextlib
 import mmap
 import multiprocessing
 import os
+import pickle
 import sys
 import threading
 import traceback
@@ -191,9 +192,11 @@ class DrafterWorker:
     def post(self, op: str, *args, fds=()) -> None:
         """Start `op` in the worker without waiting; `fds` are file descriptors passed along (SCM_RIGHTS)."""
         with self._lock:
-            self._check_alive(op)
+            if self._broken is not None:  # a dead process shows as EOF / a broken pipe: no poll per call
+                self._check_alive(op)
             try:
-                self._conn.send((op, args))
+                # plain pickle: per-round calls carry only numbers and lists (tensors go as bytes, _to_pipe)
+                self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
                 for fd in fds:
                     reduction.send_handle(self._conn, fd, self._proc.pid)
             except OSError as e:

@@ -219,6 +219,9 @@ class Decoder:
         # Where the Markov head and the draft's hand-off run: the drafter lane, or, when a worker process runs the
         # drafter's forwards, the target lane itself, right after verification (no thread hand-off either way)
         self.head_lane = self.target_lane if worker is not None else self.drafter_lane
+        # On the target lane the head reads (r, bonus) from the round's Outcome and verification reads the draft
+        # it was handed: no staging between two links of one thread.
+        self._head_on_target = self.head_lane is self.target_lane
         self.d = opts.d if needs_drafter else 1
         B = len(prompts)
         opts.check_batch(B)
@@ -345,6 +348,8 @@ class Decoder:
     def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
         """Head lane (the drafter lane unless a worker process drafts): stage the draft for the round after `prev`."""
         rnd = prev.round + 1
+        if self._head_on_target:
+            return Draft(rnd, prev.bonus, tokens, tokens, q, _core.Event())
         staged = self._stage(self.head_lane, "draft", tokens.to(torch.int32), rnd % 2)
         return Draft(rnd, prev.bonus, tokens, staged, q, self.head_lane.record())
 
@@ -429,10 +434,13 @@ class Decoder:
     def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
         """Head lane: the Markov head on branch r of ring slot `slot`, from the staged (r, bonus)."""
         self._settle()
-        out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
-        rb = self._staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
-        self._release(self.head_lane, "rb", out.phase)
-        r, bonus = rb[:, 0], rb[:, 1]
+        if self._head_on_target:
+            r, bonus = out.r, out.bonus
+        else:
+            out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
+            rb = self._staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
+            self._release(self.head_lane, "rb", out.phase)
+            r, bonus = rb[:, 0], rb[:, 1]
         self.ring.select(slot, r.numpy(), lane=self.head_lane.core)  # after the backbone's ready event
         try:
             boundary = self._slots[slot]
@@ -466,7 +474,8 @@ class Decoder:
             block = draft.bonus[:, None]
         else:
             block = torch.cat([draft.bonus[:, None], draft.staged.long()], dim=1)
-            self._release(self.target_lane, "draft", phase)
+            if draft.staged is not draft.tokens:
+                self._release(self.target_lane, "draft", phase)
         logits, feats = self.target.verify(block)
         if not all_finite(logits):
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
@@ -486,9 +495,9 @@ class Decoder:
         u_accept = uniforms(self.generator, B, d).to(p.device)
         u_bonus = uniforms(self.generator, B).to(p.device)
         q = draft.q.to(p.device)
-        finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
-        damaged = not bool(finite.all())
+        damaged = not all_finite(q)
         if damaged:
+            finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
             _warn_non_finite_draft(self)
             q = torch.where(finite[..., None], q, 0.0)
         r, bonus = ops.verify_sample(p, q, block[:, 1:].to(p.device), u_accept, u_bonus)
@@ -503,9 +512,11 @@ class Decoder:
         B = block.shape[0]
         for b in self.admission.retirements() if self.admission is not None else ():
             self.state.retire(b)  # a cancelled request leaves now: nothing of this round is committed for it
-        running = self.running_mask()
-        draft = block[:, 1:] if block.shape[1] > 1 else torch.zeros(B, self.d, dtype=torch.long)
-        self.state.set_draft(np.ascontiguousarray(draft.numpy(), dtype=np.int64))
+        # numpy, not torch, for these [B] vectors: this runs every round, right after a verify evicted the caches
+        running = ~np.asarray(self.state.finished(), dtype=bool)
+        block_np = block.numpy()
+        draft = block_np[:, 1:] if block.shape[1] > 1 else np.zeros((B, self.d), dtype=np.int64)
+        self.state.set_draft(np.ascontiguousarray(draft, dtype=np.int64))
         r, bonus, committed = (np.zeros(B, dtype=np.int64) for _ in range(3))
         if verified.argmax is not None:
             self.state.step(np.ascontiguousarray(verified.argmax.numpy(), dtype=np.int64), slot, r, bonus, committed)
@@ -514,13 +525,13 @@ class Decoder:
             self.state.commit(r, bonus, slot, committed)
         rnd = int(self.state.rounds())
         # tau counts what rounds committed: a round cut by EOS / max_new_tokens accepted only what it kept
-        self.metrics.record_round(np.minimum(r, committed - 1)[running.numpy()])
+        self.metrics.record_round(np.minimum(r, committed - 1)[running])
         r_t = torch.from_numpy(r)
-        keep = (r_t + 1) * running.long()
+        keep = torch.from_numpy((r + 1) * running)
         self.target.commit(keep)
         # Finished requests keep their last bonus as s_0: their rows still run through the batched forwards.
-        bonus_t = torch.where(running, torch.from_numpy(bonus), block[:, 0])
-        if self.drafter is not None:
+        bonus_t = torch.from_numpy(np.where(running, bonus, block_np[:, 0]))
+        if self.drafter is not None and not self._head_on_target:
             self._stage(self.target_lane, "rb", torch.stack([r_t, bonus_t], 1).to(torch.int32), rnd % 2)
         # What a round commits is a prefix of t1..tr, bonus (cut at EOS / max_new_tokens).
         rows, rl, cl = draft.tolist(), r.tolist(), committed.tolist()
