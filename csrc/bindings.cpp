@@ -411,7 +411,7 @@ PYBIND11_MODULE(_core, m) {
                                const I64Array& bonus, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,
                                double temperature, std::uint64_t seed, std::uint64_t offset,
                                const py::object& draft_out, std::uintptr_t q_ptr, std::uintptr_t w2t_ptr,
-                               const std::string& w2t_dtype, std::uintptr_t w2_norms_ptr) {
+                               const std::string& w2t_dtype, std::uintptr_t w2_norms_ptr, std::uintptr_t noise_ptr) {
         const DType dtype = parse_dtype(boundary_dtype), w2t = parse_dtype(w2t_dtype);
         const std::int64_t* r_data = expect_shape(r, {batch}, "r");
         const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
@@ -423,15 +423,23 @@ PYBIND11_MODULE(_core, m) {
                          r_data, bonus_data, reinterpret_cast<const float*>(w1_ptr),
                          reinterpret_cast<const float*>(w2_ptr), rank, temperature, seed, offset, draft,
                          reinterpret_cast<float*>(q_ptr), reinterpret_cast<const void*>(w2t_ptr), w2t,
-                         reinterpret_cast<const float*>(w2_norms_ptr));
+                         reinterpret_cast<const float*>(w2_norms_ptr), reinterpret_cast<const float*>(noise_ptr));
       }, py::arg("boundary_ptr"), py::arg("boundary_dtype"), py::arg("batch"), py::arg("n_rows"), py::arg("d"),
       py::arg("vocab"), py::arg("r"), py::arg("bonus"), py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("rank"),
       py::arg("temperature"), py::arg("seed"), py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"),
-      py::arg("w2t_ptr") = 0, py::arg("w2t_dtype") = "float32", py::arg("w2_norms_ptr") = 0,
+      py::arg("w2t_ptr") = 0, py::arg("w2t_dtype") = "float32", py::arg("w2_norms_ptr") = 0, py::arg("noise_ptr") = 0,
       "Host Markov head over contiguous boundary [B, n_rows, d, V] and float32 W1 [V, R], W2 [R, V]: writes "
       "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy). w2t_ptr / "
       "w2_norms_ptr: W2 transposed [V, R] (float32, or bfloat16 holding W2 exactly) and its column norms (rounded "
-      "up) for bound-pruned greedy steps, or 0.");
+      "up) for bound-pruned greedy steps, or 0. noise_ptr: the call's Gumbel noise [B, d, V] float32 from "
+      "gumbel_noise_host (sampling only), or 0 to draw it here.");
+  m.def("gumbel_noise_host", [](std::uintptr_t out_ptr, std::int64_t batch, int d, std::int64_t vocab,
+                                std::uint64_t seed, std::uint64_t offset) {
+        py::gil_scoped_release nogil;
+        gumbel_noise_host(reinterpret_cast<float*>(out_ptr), batch, d, vocab, seed, offset);
+      }, py::arg("out_ptr"), py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("seed"), py::arg("offset"),
+      "The Gumbel noise a sampling markov_head_host call with these (batch, d, vocab, seed, offset) draws, into "
+      "out [B, d, V] float32 (contiguous).");
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
   // Buffers as data_ptr() integers (numpy views would cost more than the work at small batch): dpara_rt.native

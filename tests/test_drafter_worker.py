@@ -176,3 +176,30 @@ def test_a_dead_worker_fails_its_decode_and_the_engine_starts_another(pair):
     finally:
         eng.close()
     assert not eng._worker.alive
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_next_heads_noise_drawn_beside_verification_changes_nothing(pair, mode, monkeypatch):
+    """A sampled DPara decode's drafter draws the next Markov head's Gumbel noise after its backbone; the head
+    reads it (every round after the first) and the outputs equal those of heads that draw their own."""
+    from dpara_rt import noise_ahead
+    target, drafter = pair
+    prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
+    taken = []
+    take = noise_ahead.NoiseAhead.take
+    monkeypatch.setattr(noise_ahead.NoiseAhead, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1])
+
+    def decode():
+        eng = Engine(target, drafter, method="dpara", d=D, drafter_worker=mode)
+        try:
+            return eng.generate(prompts, 24, temperature=1.0, seed=5)
+        finally:
+            eng.close()
+    drawn = decode()
+    used = sum(t is not None for t in taken)
+    assert used >= drawn.stats.rounds - 2 and used > 0  # every head after the serial first draft
+    monkeypatch.setattr(noise_ahead.NoiseAhead, "plan", lambda self, *a: None)
+    taken.clear()
+    own = decode()
+    assert not any(t is not None for t in taken)
+    assert drawn.tokens == own.tokens and drawn.stats.tau == own.stats.tau

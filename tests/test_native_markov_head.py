@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from dpara_rt import _core  # noqa: E402
 from dpara_rt.kernels import _rng  # noqa: E402
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton  # noqa: E402
-from dpara_rt.native import MarkovBound, markov_bound, markov_head_native  # noqa: E402
+from dpara_rt.native import HostMarkovHead, MarkovBound, gumbel_noise, markov_bound, markov_head_native  # noqa: E402
 
 SEED, OFFSET = 11, (1 << 32) + 5  # an offset with both 32-bit words set
 
@@ -221,3 +221,38 @@ def test_core_binding_checks_its_arrays():
         with pytest.raises(ValueError, match=match):
             _core.markov_head_host(**{**call, key: value})
     _core.markov_head_host(**call)  # the unchanged call is valid
+
+
+# ------------------------------------------------------------------ noise drawn ahead (dpara_rt.noise_ahead)
+@pytest.mark.parametrize("batch,d,vocab,dtype", [(1, 7, 300, torch.bfloat16), (3, 4, 64, torch.float32),
+                                                 (5, 1, 1000, torch.float16)])
+def test_noise_drawn_ahead_gives_the_same_draft_and_q(batch, d, vocab, dtype):
+    boundary, r, bonus, w1, w2 = _inputs(batch, d + 1, d, vocab, 16, dtype, seed=batch)
+    head = HostMarkovHead(w1, w2, True)
+    noise = gumbel_noise(batch, d, vocab, SEED, OFFSET)
+    own = head(boundary, r, bonus, 0.7, SEED, OFFSET)
+    drawn = head(boundary, r, bonus, 0.7, SEED, OFFSET, noise)
+    assert torch.equal(own[0], drawn[0]) and torch.equal(own[1], drawn[1])
+    # the noise really is read: another call's noise changes the draws
+    other = head(boundary, r, bonus, 0.7, SEED, OFFSET, gumbel_noise(batch, d, vocab, SEED, OFFSET + 1))
+    assert not torch.equal(own[0], other[0])
+    # the same bits as the Philox stream the head draws from: g = -log(-log(u))
+    b, j, v = batch - 1, d - 1, 3
+    bits = _core.philox4x32((b * d + j) * vocab + v, OFFSET, SEED)
+    u = ((bits >> 9) * 2 + 1) * 2.0 ** -24
+    assert float(noise[b, j, v]) == pytest.approx(-np.log(-np.log(u)), rel=1e-6)
+
+
+def test_noise_drawn_ahead_is_checked():
+    boundary, r, bonus, w1, w2 = _inputs(2, 3, 2, 50, 8)
+    head = HostMarkovHead(w1, w2)
+    with pytest.raises(ValueError, match="noise is given with temperature 0"):
+        head(boundary, r, bonus, 0.0, SEED, OFFSET, gumbel_noise(2, 2, 50, SEED, OFFSET))
+    with pytest.raises(ValueError, match=r"noise has shape \(2, 2, 49\), expected \[B, d, V\] = \(2, 2, 50\)"):
+        head(boundary, r, bonus, 1.0, SEED, OFFSET, torch.zeros(2, 2, 49))
+    with pytest.raises(ValueError, match="seed = -1, expected an int"):
+        gumbel_noise(2, 2, 50, -1, 0)
+    with pytest.raises(ValueError, match="draft length d must be in 1..32, got 0"):
+        _core.gumbel_noise_host(0, 1, 0, 50, 0, 0)
+    with pytest.raises(ValueError, match=r"batch \* d \* vocab = 8589934592, expected <= 2\^32"):
+        _core.gumbel_noise_host(0, 1 << 16, 2, 1 << 16, 0, 0)

@@ -499,15 +499,35 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
   return philox_word(counter, PhiloxKey(offset, seed));
 }
 
+void gumbel_noise_host(float* out, std::int64_t batch, int d, std::int64_t vocab, std::uint64_t seed,
+                       std::uint64_t offset) {
+  using detail::value_error;
+  if (batch < 0) value_error("gumbel_noise_host: ", "batch = ", batch, ", expected >= 0");
+  detail::check_draft_length(d, "gumbel_noise_host:");
+  if (vocab < 1) value_error("gumbel_noise_host: ", "vocab = ", vocab, ", expected >= 1");
+  const std::int64_t outputs =
+      detail::checked_mul("gumbel_noise_host: ", detail::checked_mul("gumbel_noise_host: ", batch, d, "batch * d"),
+                          vocab, "batch * d * vocab");
+  if (outputs > kCounters)
+    value_error("gumbel_noise_host: ", "batch * d * vocab = ", outputs, ", expected <= 2^32 (one 32-bit counter ",
+                "per drafted logit)");
+  if (outputs == 0) return;
+  if (!out) value_error("gumbel_noise_host: ", "out is null, expected a [batch, d, vocab] float32 buffer");
+  const PhiloxKey key(offset, seed);
+  for (std::int64_t row = 0; row < batch * d; ++row) gumbel_row(out + row * vocab, std::uint32_t(row * vocab), vocab, key);
+}
+
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
                       std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t,
-                      DType w2t_dtype, const float* w2_norms) {
+                      DType w2t_dtype, const float* w2_norms, const float* noise) {
   check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
              draft_out, q_out);
   if (batch == 0) return;
   const bool sample = temperature > 0;
+  if (noise && !sample)
+    detail::value_error(kWhat, "noise is given with temperature 0, expected null (greedy drafting draws nothing)");
   const bool pruned = !sample && w2t && w2_norms;
   if (pruned && w2t_dtype != DType::float32 && w2t_dtype != DType::bfloat16)
     detail::value_error(kWhat, "w2t dtype ", dtype_name(w2t_dtype), ", expected float32 or bfloat16");
@@ -537,9 +557,15 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
         float* own = scratch.data() + i * vocab;
         float* z = sample ? q_out + out * vocab : own;
         load_row(z, src[i] + std::size_t(j * vocab) * esize, boundary_dtype, vocab);
-        if (sample) gumbel_row(own, std::uint32_t(out * vocab), vocab, key);
+        const float* g = nullptr;
+        if (sample && noise) {
+          g = noise + out * vocab;  // drawn ahead of time by gumbel_noise_host: the same bits
+        } else if (sample) {
+          gumbel_row(own, std::uint32_t(out * vocab), vocab, key);
+          g = own;
+        }
         rows[i].z = z;
-        rows[i].noise = sample ? own : nullptr;
+        rows[i].noise = g;
         rows[i].a = w1 + x[i] * rank;
       }
       if (pruned) {

@@ -17,6 +17,7 @@ branch r straight from the shared slot.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import multiprocessing
 import os
@@ -30,6 +31,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pickling of tensors for the pipe
 
 from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the same in every process
+from dpara_rt.native import gumbel_noise
 
 WORKER_MODES = ("auto", "thread", "process")
 _PHASES = {"absorb": "context", "absorb_staged": "context", "boundary": "backbone"}  # worker call -> timeline phase
@@ -68,6 +70,10 @@ class LocalContext:
     def settle(self) -> list[tuple[str, int, int]]:
         """Wait for the calls still running (none here); their (phase, start_ns, end_ns) spans."""
         return []
+
+    def noise_buffer(self, shape: tuple) -> torch.Tensor:
+        """A float32 buffer the drafter draws the Markov head's noise into (dpara_rt.noise_ahead)."""
+        return torch.empty(shape, dtype=torch.float32)
 
 
 class WorkerContext:
@@ -108,21 +114,35 @@ class WorkerContext:
     def block_logits(self, bonus: torch.Tensor, n: int, untrained_ok: bool) -> torch.Tensor:
         return _from_pipe(self.worker.call("block_logits", bonus.tolist(), n, untrained_ok))
 
-    def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor | None, project: bool) -> None:
-        self.worker.post("boundary", spine.tolist(), slot, project)
+    def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor | None, project: bool,
+                 noise: tuple | None = None) -> None:
+        self.worker.post("boundary", spine.tolist(), slot, project, noise)
 
     def absorb_and_fill(self, features: torch.Tensor, keep: torch.Tensor | None, spine: torch.Tensor, slot: int,
-                        project: bool) -> None:
+                        project: bool, noise: tuple | None = None) -> None:
         """absorb (unless keep is None) then boundary, as one message: a round's whole drafting beside its
-        verification costs one send here and one reply to settle."""
+        verification costs one send here and one reply to settle. `noise`: (half, seed, offset) of the next
+        head's noise, drawn after the backbone (dpara_rt.noise_ahead)."""
         if keep is None:
-            return self.boundary(spine, slot, None, project)
+            return self.boundary(spine, slot, None, project, noise)
         phase = self._staged_phase(features)
         if phase is None:
             self.absorb(features, keep)
-            return self.boundary(spine, slot, None, project)
+            return self.boundary(spine, slot, None, project, noise)
         self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype),
-                         torch.as_tensor(keep).tolist(), spine.tolist(), slot, project)
+                         torch.as_tensor(keep).tolist(), spine.tolist(), slot, project, noise)
+
+    def noise_buffer(self, shape: tuple) -> torch.Tensor:
+        """A float32 buffer in shared memory (a memfd mapped here and in the worker) for the head's noise."""
+        nbytes = 4 * math.prod(shape)
+        fd = os.memfd_create("dpara_rt-noise", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._noise_map = mmap.mmap(fd, nbytes)
+            self.worker.call("map_noise", tuple(shape), fds=(fd,))
+        finally:
+            os.close(fd)
+        return torch.frombuffer(self._noise_map, dtype=torch.float32).view(shape)
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, _to_pipe(features))
@@ -286,6 +306,7 @@ class _Worker:
         self._maps: list[mmap.mmap] = []
         self._features: dict[int, torch.Tensor] = {}
         self._slots: list[torch.Tensor] = []
+        self._noise: torch.Tensor | None = None  # [2, B, d, V]: the Markov head's noise, drawn ahead
 
     def ping(self):
         return os.getpid()
@@ -315,19 +336,27 @@ class _Worker:
         self.drafter.extend_context(self.cache, features, torch.tensor(keep))
 
     def absorb_and_fill(self, phase: int, shape: tuple, dtype: str, keep: list[int], spine: list[list[int]],
-                        slot: int, project: bool) -> int:
+                        slot: int, project: bool, noise: tuple | None) -> int:
         """absorb_staged then boundary; returns when the boundary started (now_ns), to split the span."""
         self.absorb_staged(phase, shape, dtype, keep)
         t = now_ns()
-        self.boundary(spine, slot, project)
+        self.boundary(spine, slot, project, noise)
         return t
 
     def block_logits(self, bonus: list[int], n: int, untrained_ok: bool) -> tuple:
         # A decode's first draft and restarts only, not every round.
         return _to_pipe(self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok))
 
-    def boundary(self, spine: list[list[int]], slot: int, project: bool) -> None:
+    def boundary(self, spine: list[list[int]], slot: int, project: bool, noise: tuple | None) -> None:
         self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=self._slots[slot], project=project)
+        if noise is not None:  # the next head's Gumbel noise, while the target still verifies
+            half, seed, offset = noise
+            _, batch, d, vocab = self._noise.shape
+            gumbel_noise(batch, d, vocab, seed, offset, out=self._noise[half])
+
+    def map_noise(self, shape: tuple, conn) -> None:
+        self._noise_map = _map(reduction.recv_handle(conn), 4 * math.prod(shape))
+        self._noise = torch.frombuffer(self._noise_map, dtype=torch.float32).view(shape)
 
     def reset_row(self, b: int, features: tuple) -> None:
         _reset_row(self.drafter, self.cache, b, _from_pipe(features))
@@ -377,7 +406,7 @@ def _serve(conn, drafter, cores, threads: int) -> None:
             try:
                 fn = getattr(worker, op)
                 t0 = now_ns()
-                value = fn(*args, conn) if op == "map_buffers" else fn(*args)
+                value = fn(*args, conn) if op in ("map_buffers", "map_noise") else fn(*args)
                 reply = ("ok", value, (t0, now_ns()))
             except Exception as e:  # noqa: BLE001 - the caller raises it
                 reply = ("error", e, traceback.format_exc())

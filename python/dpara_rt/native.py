@@ -17,7 +17,7 @@ import torch
 
 from dpara_rt import _core
 
-__all__ = ["HostMarkovHead", "MarkovBound", "markov_bound", "markov_head_native", "verify_sample_native"]
+__all__ = ["HostMarkovHead", "MarkovBound", "gumbel_noise", "markov_bound", "markov_head_native", "verify_sample_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -84,7 +84,9 @@ class HostMarkovHead:
         self.w1, self.w2, self.bound, self.vocab, self.rank = w1, w2, bound or None, vocab, rank
 
     def __call__(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
-                 seed: int = 0, offset: int = 0):
+                 seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None):
+        """(draft [B, d], q [B, d, V] or None). ``noise``: this call's Gumbel noise, drawn ahead of time by
+        ``gumbel_noise`` with the same seed and offset (sampling only): the same draft, without drawing here."""
         _cpu_tensor("boundary", boundary, 4)
         if boundary.dtype not in _BOUNDARY_DTYPES:
             raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")
@@ -101,6 +103,10 @@ class HostMarkovHead:
                 raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
         r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
         pruned = self.bound if temperature == 0 else None
+        if noise is not None:
+            if temperature == 0:
+                raise ValueError("noise is given with temperature 0; greedy drafting draws no noise")
+            _host_buffer("noise", noise, torch.float32, (batch, d, vocab), "[B, d, V]")
 
         draft = torch.empty(batch, d, dtype=torch.long)
         q = torch.empty(batch, d, vocab, dtype=torch.float32) if temperature > 0 else None
@@ -109,8 +115,21 @@ class HostMarkovHead:
                                int(seed), int(offset), draft.numpy(), 0 if q is None else q.data_ptr(),
                                pruned.w2t.data_ptr() if pruned else 0,
                                _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
-                               pruned.norms.data_ptr() if pruned else 0)
+                               pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr())
         return draft, q
+
+
+def gumbel_noise(batch: int, d: int, vocab: int, seed: int, offset: int, out: torch.Tensor | None = None):
+    """The Gumbel noise [batch, d, vocab] float32 that a sampling head call with this seed and offset draws
+    (into ``out`` when given): the noise depends only on the call's counters, so it can be drawn ahead."""
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
+            raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
+    if out is None:
+        out = torch.empty(batch, d, vocab, dtype=torch.float32)
+    _host_buffer("out", out, torch.float32, (batch, d, vocab), "[B, d, V]")
+    _core.gumbel_noise_host(out.data_ptr(), batch, d, vocab, int(seed), int(offset))
+    return out
 
 
 def markov_head_native(boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, w1: torch.Tensor,

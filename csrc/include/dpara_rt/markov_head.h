@@ -30,11 +30,19 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
 // w2t [vocab, rank] (W2 transposed; float32, or bfloat16 when that holds W2 exactly) and w2_norms [vocab]
 // (w2_norms[v] >= |W2[:, v]|, rounded up), both given or both null: greedy steps then compute the exact value
 // only for the tokens that the bound |W1[x] @ W2[:, v]| <= |W1[x]| |W2[:, v]| leaves in reach of the arg-max.
-// Same drafts either way.
+// Same drafts either way. noise (sampling only, or null): [batch, d, vocab] from gumbel_noise_host with the
+// same seed and offset, used instead of drawing it here.
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
                       std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t = nullptr,
-                      DType w2t_dtype = DType::float32, const float* w2_norms = nullptr);
+                      DType w2t_dtype = DType::float32, const float* w2_norms = nullptr,
+                      const float* noise = nullptr);
+
+// The Gumbel noise a sampling markov_head_host call with (batch, d, vocab, seed, offset) draws, into out
+// [batch, d, vocab] float32. Passed back to that call as `noise`, the draw is the same and leaves the critical
+// path: the noise depends on the call's counters only, so a DPara drafter draws it beside verification.
+void gumbel_noise_host(float* out, std::int64_t batch, int d, std::int64_t vocab, std::uint64_t seed,
+                       std::uint64_t offset);
 
 }  // namespace dpara_rt

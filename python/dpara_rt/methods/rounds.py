@@ -27,6 +27,7 @@ from dpara_rt.core import slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.models.target import Target
+from dpara_rt.noise_ahead import NoiseAhead
 from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample, uniforms
 
 PSD_POLICIES = ("pearl", "ssd")
@@ -247,6 +248,7 @@ class Decoder:
                             else LocalContext(drafter, B, target.max_len))
             # The head accumulates in fp32: its rank-R factors are converted (on the host its bound built) once.
             self._markov_head = drafter.markov_head(markov)
+            self.noise = NoiseAhead(self.context)  # sampled heads' noise, drawn beside verification
             self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
@@ -371,6 +373,9 @@ class Decoder:
         opts = self.opts
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
             seed = opts.seed[0] if opts.per_request_seeds else opts.seed
+            noise = self.noise.take(len(r), seed, self._markov_calls) if opts.sampling else None
+            if noise is not None:
+                return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise)
             return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls)
         drafts, qs = [], []
         for b, temp in enumerate(self._head_temps):
@@ -399,16 +404,20 @@ class Decoder:
         ring slot `slot` with the boundary logits of every outcome of `draft`, beside its verification. In this
         process both are links of the drafter lane. With a drafter worker process both go out now as one
         message, so no thread of this process runs drafting Python while the target verifies, and the next
-        Markov head's link settles them."""
+        Markov head's link settles them. A sampled decode's drafter also draws the next head's noise."""
+        noise = None
+        if self.opts.sampling and not self._head_per_row:  # the head reading this slot is the next call
+            noise = self.noise.plan(self._markov_head, self.state.batch(), self.d, self.drafter.config.vocab_size,
+                                    self.opts.seed, self._markov_calls + 1)
         if not self.context.remote:
             if prev is not None:
                 self.post(self.drafter_lane, "context", lambda: self.absorb(prev))
-            self.post(self.drafter_lane, "backbone", lambda: self.fill_boundary(draft, slot))
+            self.post(self.drafter_lane, "backbone", lambda: self.fill_boundary(draft, slot, noise))
             return
         features, keep = (None, None) if prev is None else (prev.features, prev.keep)
         if prev is not None:
             self.head_lane.wait(prev.ready)
-        self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits)
+        self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
         staged = prev is not None and prev.round > 0
         self._in_worker = (self.chain.round, slot, prev.phase if staged else None)
 
@@ -425,10 +434,13 @@ class Decoder:
             self._release(self.head_lane, "features", phase)
         self.ring.mark_ready(slot, self.head_lane.record())
 
-    def fill_boundary(self, draft: Draft, slot: int) -> None:
-        """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`."""
+    def fill_boundary(self, draft: Draft, slot: int, noise: tuple | None = None) -> None:
+        """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`
+        (and the planned noise of the head that reads it)."""
         boundary = self._slots[slot]
         self.context.boundary(draft.spine(boundary.device), slot, boundary, self.ring_logits)
+        if noise is not None:
+            self.noise.draw(noise)
         self.ring.mark_ready(slot, self.drafter_lane.record())
 
     def draft_from_boundary(self, out: Outcome, slot: int) -> tuple[Tensor, Tensor | None]:
