@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_method, table
+from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_methods, table
 from dpara_rt.methods import METHODS, VARIANTS
 
 GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-hidden", "auto")
@@ -29,12 +29,10 @@ def _engine_kwargs(name: str, resources: str, d: int, temperature: float) -> dic
 
 
 def run_config(target, drafter, prompts, batch, temperature, d, resources, max_new_tokens, methods, log):
-    results = {}
-    for name in methods:
-        t0 = time.perf_counter()
-        results[name] = run_method(name, target, drafter, prompts, batch, max_new_tokens,
-                                   **_engine_kwargs(name, resources, d, temperature))
-        log(f"  {name:<13} {time.perf_counter() - t0:6.1f} s")
+    t0 = time.perf_counter()
+    results = run_methods(list(methods), target, drafter, prompts, batch, max_new_tokens,
+                          engine_kwargs=lambda name: _engine_kwargs(name, resources, d, temperature))
+    log(f"  {len(methods)} methods interleaved {time.perf_counter() - t0:6.1f} s")
     rows = []
     for name, res in results.items():
         row = record(res, results["ar"])

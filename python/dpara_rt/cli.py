@@ -124,15 +124,14 @@ def _hf_tokenizer(path):
 def cmd_demo(args):
     from tqdm import tqdm
 
-    from dpara_rt.compare import DEMO_METHODS, anatomy_png, humaneval_prompts, record, run_method, table
+    from dpara_rt.compare import DEMO_METHODS, anatomy_png, humaneval_prompts, record, run_methods, table
     out = _out_dir(args.out)
     tokenizer, target, drafter = _load_pair(args)
     prompts = humaneval_prompts(tokenizer, args.prompts)
-    results = {}
-    for name in DEMO_METHODS:
-        with tqdm(total=len(prompts), desc=f"{name:<13}", unit="prompt", file=sys.stderr) as bar:
-            results[name] = run_method(name, target, drafter, prompts, args.batch, args.max_new_tokens,
-                                       progress=bar.update, d=args.d, temperature=args.temperature)
+    total = len(prompts) * len(DEMO_METHODS)
+    with tqdm(total=total, desc="methods interleaved", unit="prompt", file=sys.stderr) as bar:
+        results = run_methods(DEMO_METHODS, target, drafter, prompts, args.batch, args.max_new_tokens,
+                              lambda _, n: bar.update(n), lambda _: dict(d=args.d, temperature=args.temperature))
     rows = [record(res, results["ar"]) for res in results.values()]
     if args.temperature > 0:
         for r in rows:  # sampled outputs differ from ar's by design; losslessness is what the tests check

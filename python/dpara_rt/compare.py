@@ -45,22 +45,44 @@ def humaneval_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(p["prompt"].rstrip()) for p in problems]
 
 
+def run_methods(names: Sequence[str], target, drafter, prompts: Sequence[list[int]], batch: int, max_new_tokens: int,
+                progress: Callable[[str, int], None] | None = None,
+                engine_kwargs: Callable[[str], dict] = lambda name: {}) -> dict[str, MethodResult]:
+    """Every method on the same prompts, interleaved: each batch of prompts runs under every method in turn (the
+    first method rotating from batch to batch) before the next batch starts. On a shared machine whose speed
+    drifts over seconds, a method run in one block would get a speed of its own; interleaved, every method sees
+    the same drift, and their ratios keep only the difference between methods."""
+    engines = {}
+    try:
+        for name in names:
+            kw = variant(name)
+            eng = engines[name] = Engine(target, drafter if needs_drafter(kw["method"]) else None, max_batch=batch,
+                                         **kw, **engine_kwargs(name))
+            eng.generate([list(prompts[0])], min(4, max_new_tokens))  # warm-up: lanes, allocator, caches
+        results = {name: MethodResult(name) for name in names}
+        for k, i in enumerate(range(0, len(prompts), batch)):
+            chunk = [list(p) for p in prompts[i:i + batch]]
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                out = engines[name].generate(chunk, max_new_tokens)
+                res = results[name]
+                res.tokens += out.tokens
+                res.stats.append(out.stats)
+                res.wall_s += out.stats.wall_s
+                res.new_tokens += out.stats.new_tokens
+                res.rounds += out.stats.rounds
+                if progress:
+                    progress(name, len(out.tokens))
+        return results
+    finally:
+        for eng in engines.values():
+            eng.close()
+
+
 def run_method(name: str, target, drafter, prompts: Sequence[list[int]], batch: int, max_new_tokens: int,
                progress: Callable[[int], None] | None = None, **engine_kwargs) -> MethodResult:
-    kw = variant(name)
-    eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, max_batch=batch, **kw, **engine_kwargs)
-    res = MethodResult(name)
-    eng.generate([list(prompts[0])], min(4, max_new_tokens))  # warm-up: lanes, allocator, caches
-    for i in range(0, len(prompts), batch):
-        out = eng.generate([list(p) for p in prompts[i:i + batch]], max_new_tokens)
-        res.tokens += out.tokens
-        res.stats.append(out.stats)
-        res.wall_s += out.stats.wall_s
-        res.new_tokens += out.stats.new_tokens
-        res.rounds += out.stats.rounds
-        if progress:
-            progress(len(out.tokens))
-    return res
+    """One method alone (run_methods for a side-by-side comparison)."""
+    return run_methods([name], target, drafter, prompts, batch, max_new_tokens,
+                       progress and (lambda _, n: progress(n)), lambda _: engine_kwargs)[name]
 
 
 def record(res: MethodResult, ar: MethodResult) -> dict:
@@ -134,4 +156,4 @@ def load_pair(root=None):
     return load_tiny(root=root, drafter_dtype=DRAFTER_DTYPE)
 
 
-__all__ = ["load_pair", "DEMO_METHODS", "MethodResult", "run_method", "record", "table", "anatomy_png", "Stats"]
+__all__ = ["load_pair", "DEMO_METHODS", "MethodResult", "run_method", "run_methods", "record", "table", "anatomy_png", "Stats"]
