@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 import numbers
 import warnings
 from dataclasses import dataclass
