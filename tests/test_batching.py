@@ -33,15 +33,12 @@ class Timeline:
     own count: the consumer's lags the lanes by a round or more), or once every earlier request has ended."""
 
     def __init__(self, eng, plan):
-        self.eng, self.plan, self.rounds = eng, sorted(plan, key=lambda p: p[0]), 0
+        self.eng, self.plan = eng, sorted(plan, key=lambda p: p[0])
         self.ended: dict[int, str] = {}
 
     def visible(self):
-        ticket = self.eng._open
-        dec = getattr(ticket, "decoder", None)
-        if dec is None:
-            return [req for when, req in self.plan if when <= self.rounds]
-        rounds = int(dec.state.rounds())
+        dec = getattr(self.eng._open, "decoder", None)
+        rounds = int(dec.state.rounds()) if dec is not None else 0
         idle = rounds > 0 and not bool(dec.running_mask().any())  # every request ended before the next arrived
         return [req for when, req in self.plan if when <= rounds or idle]
 
@@ -72,7 +69,6 @@ def _run(eng, timeline, batch, cancel_after: dict | None = None, max_batch: int 
     slots = Slots(timeline, batch, max_batch)
     chunks = {}
     for new in eng.serve(slots, 256):
-        timeline.rounds += 1
         slots.route(new)
         for b, req in slots.rows.items():
             if new[b]:
@@ -215,7 +211,6 @@ def test_a_failed_admission_ends_its_request_with_the_error(pair, monkeypatch):
     with pytest.raises(RuntimeError, match="prefill failed"):
         try:
             for new in eng.serve(slots, 256):
-                timeline.rounds += 1
                 slots.route(new)
         except RuntimeError as e:
             slots.fail(e)

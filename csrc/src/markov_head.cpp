@@ -502,19 +502,20 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
 void gumbel_noise_host(float* out, std::int64_t batch, int d, std::int64_t vocab, std::uint64_t seed,
                        std::uint64_t offset) {
   using detail::value_error;
-  if (batch < 0) value_error("gumbel_noise_host: ", "batch = ", batch, ", expected >= 0");
+  constexpr const char* what = "gumbel_noise_host: ";
+  if (batch < 0) value_error(what, "batch = ", batch, ", expected >= 0");
   detail::check_draft_length(d, "gumbel_noise_host:");
-  if (vocab < 1) value_error("gumbel_noise_host: ", "vocab = ", vocab, ", expected >= 1");
+  if (vocab < 1) value_error(what, "vocab = ", vocab, ", expected >= 1");
   const std::int64_t outputs =
-      detail::checked_mul("gumbel_noise_host: ", detail::checked_mul("gumbel_noise_host: ", batch, d, "batch * d"),
-                          vocab, "batch * d * vocab");
+      detail::checked_mul(what, detail::checked_mul(what, batch, d, "batch * d"), vocab, "batch * d * vocab");
   if (outputs > kCounters)
-    value_error("gumbel_noise_host: ", "batch * d * vocab = ", outputs, ", expected <= 2^32 (one 32-bit counter ",
+    value_error(what, "batch * d * vocab = ", outputs, ", expected <= 2^32 (one 32-bit counter ",
                 "per drafted logit)");
   if (outputs == 0) return;
-  if (!out) value_error("gumbel_noise_host: ", "out is null, expected a [batch, d, vocab] float32 buffer");
+  if (!out) value_error(what, "out is null, expected a [batch, d, vocab] float32 buffer");
   const PhiloxKey key(offset, seed);
-  for (std::int64_t row = 0; row < batch * d; ++row) gumbel_row(out + row * vocab, std::uint32_t(row * vocab), vocab, key);
+  for (std::int64_t row = 0; row < batch * d; ++row)
+    gumbel_row(out + row * vocab, std::uint32_t(row * vocab), vocab, key);
 }
 
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,

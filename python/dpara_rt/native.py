@@ -32,6 +32,13 @@ def _cpu_tensor(name: str, t, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
+def _check_stream(seed, offset) -> None:
+    """seed and offset of a Philox stream: ints in [0, 2**64)."""
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
+            raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
+
+
 def _index_array(name: str, t: torch.Tensor, batch: int):
     """r / bonus as a contiguous int64 numpy array of [batch] (a view when they already are one)."""
     _cpu_tensor(name, t, 1)
@@ -98,9 +105,7 @@ class HostMarkovHead:
                              f"{tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)})")
         if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
-        for name, value in (("seed", seed), ("offset", offset)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
-                raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
+        _check_stream(seed, offset)
         r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
         pruned = self.bound if temperature == 0 else None
         if noise is not None:
@@ -122,9 +127,7 @@ class HostMarkovHead:
 def gumbel_noise(batch: int, d: int, vocab: int, seed: int, offset: int, out: torch.Tensor | None = None):
     """The Gumbel noise [batch, d, vocab] float32 that a sampling head call with this seed and offset draws
     (into ``out`` when given): the noise depends only on the call's counters, so it can be drawn ahead."""
-    for name, value in (("seed", seed), ("offset", offset)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
-            raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
+    _check_stream(seed, offset)
     if out is None:
         out = torch.empty(batch, d, vocab, dtype=torch.float32)
     _host_buffer("out", out, torch.float32, (batch, d, vocab), "[B, d, V]")
