@@ -226,3 +226,36 @@ def test_load_tiny_returns_a_working_pair():
     untrained = type(drafter)(drafter.config, target.embed_tokens, target.lm_head)  # same shape, fresh init
     baseline = estimate_tau(untrained, data, d, "dspark")
     assert tau["dspark"] > baseline and tau["dpara"] > baseline, (tau, baseline)
+
+
+def test_reuse_target_trains_only_the_drafter(tmp_path, monkeypatch):
+    import dpara_rt.train.preset_tiny as preset_tiny
+
+    calls = []
+
+    def no_training(fn, drafter, data, heldout, knobs, d, seconds, ckpt, seed, resume):
+        calls.append((fn.__name__, len(data), len(heldout)))
+        return {"steps": 0, "final_loss": 0.0, "epoch_taus": [], "wall_s": 0.0}, 0.0
+
+    monkeypatch.setattr(preset_tiny, "_train_stage", no_training)
+    old = read_manifest(TINY_DIR)
+    small = dict(train_sequences=3, heldout_sequences=2, max_new_tokens=16, generate_batch=4)
+    out = tmp_path / "pair"
+    manifest = preset_tiny.run_tiny_preset(out, drafter_minutes=1.0, work_dir=tmp_path / "work", threads=1,
+                                           command="t", preset=preset_tiny.TinyPreset(**small),
+                                           reuse_target=TINY_DIR)
+    assert [c[0] for c in calls] == ["train_stage1", "train_stage2"] and calls[0][1:] == (3, 2)
+    for rel in ("tokenizer.json", "target/model.safetensors", "target/config.json"):
+        assert manifest["files"][rel] == old["files"][rel], rel  # byte-identical target and tokenizer
+    assert manifest["target"]["reused_from"] == {"created": old["created"], "command": old["command"]}
+    assert manifest["target"]["heldout_loss"] == old["target"]["heldout_loss"]
+    assert manifest["budgets_minutes"] == {"target": old["budgets_minutes"]["target"], "drafter": 1.0}
+    assert manifest["corpus"] == old["corpus"] and manifest["drafter"]["data"]["train_sequences"] == 3
+    verify_assets(out)
+    _, target, drafter = load_tiny(root=out)
+    assert drafter.config.layer_ids == old["drafter"]["config"]["layer_ids"]
+
+    other = preset_tiny.TinyPreset(**small, target={**preset_tiny.TinyPreset().target, "num_hidden_layers": 4})
+    with pytest.raises(ValueError, match=r"--reuse-target .*target=.*num_hidden_layers.*same target preset"):
+        preset_tiny.run_tiny_preset(tmp_path / "other", drafter_minutes=1.0, work_dir=tmp_path / "work2",
+                                    threads=1, command="t", preset=other, reuse_target=TINY_DIR)

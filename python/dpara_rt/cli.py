@@ -352,7 +352,8 @@ def cmd_train(args):
     if args.preset != "tiny":
         raise CliError(f"unknown preset {args.preset!r}; expected 'tiny'")
     from dpara_rt.train.preset_tiny import run_tiny_preset
-    run_tiny_preset(args.out, target_minutes=args.target_minutes, drafter_minutes=args.drafter_minutes)
+    run_tiny_preset(args.out, target_minutes=args.target_minutes, drafter_minutes=args.drafter_minutes,
+                    reuse_target=args.reuse_target)
     return 0
 
 
@@ -460,7 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", default="tiny")
     train.add_argument("--out", default=None, help="where to write the pair (default: the package's assets)")
     train.add_argument("--target-minutes", type=float, default=28.0)
-    train.add_argument("--drafter-minutes", type=float, default=28.0)
+    train.add_argument("--drafter-minutes", type=float, default=45.0)
+    train.add_argument("--reuse-target", default=None, metavar="PAIR_DIR",
+                       help="keep this pair's tokenizer and target; train only the drafter")
     train.set_defaults(fn=cmd_train)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the embedded pair by default)")

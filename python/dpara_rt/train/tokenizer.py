@@ -179,10 +179,16 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(out_dir / TOKENIZER_FILE)
+    return (tokenizer, *corpus_streams(tokenizer, corpus))
+
+
+def corpus_streams(tokenizer: CodeTokenizer, corpus: Corpus | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """({"train": stream, "heldout": stream}, corpus statistics with token counts) under ``tokenizer``."""
+    corpus = load_stdlib_corpus() if corpus is None else corpus
     streams = {split: encode_documents(tokenizer, corpus.texts(split)) for split in ("train", "heldout")}
     stats = corpus.stats()
     for split, stream in streams.items():
         stats[split]["tokens"] = int(stream.numel())
         stats[split]["bytes_per_token"] = round(stats[split]["bytes"] / stream.numel(), 3)
     stats["vocab_size"] = tokenizer.vocab_size
-    return tokenizer, streams, stats
+    return streams, stats
