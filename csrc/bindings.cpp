@@ -429,10 +429,29 @@ PYBIND11_MODULE(_core, m) {
       py::arg("temperature"), py::arg("seed"), py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"),
       py::arg("w2t_ptr") = 0, py::arg("w2t_dtype") = "float32", py::arg("w2_norms_ptr") = 0, py::arg("noise_ptr") = 0,
       "Host Markov head over contiguous boundary [B, n_rows, d, V] and float32 W1 [V, R], W2 [R, V]: writes "
-      "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy). w2t_ptr / "
+      "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy, or when sampling "
+      "with noise_ptr: the draft alone, pruned, its q from markov_q_host). w2t_ptr / "
       "w2_norms_ptr: W2 transposed [V, R] (float32, or bfloat16 holding W2 exactly) and its column norms (rounded "
       "up) for bound-pruned greedy steps, or 0. noise_ptr: the call's Gumbel noise [B, d, V] float32 from "
       "gumbel_noise_host (sampling only), or 0 to draw it here.");
+  m.def("markov_q_host", [](std::uintptr_t boundary_ptr, const std::string& boundary_dtype, std::int64_t batch,
+                            std::int64_t n_rows, int d, std::int64_t vocab, const I64Array& r, const I64Array& bonus,
+                            const I64Array& draft, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,
+                            double temperature, std::uintptr_t q_ptr) {
+        const DType dtype = parse_dtype(boundary_dtype);
+        const std::int64_t* r_data = expect_shape(r, {batch}, "r");
+        const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
+        const std::int64_t* draft_data = expect_shape(draft, {batch, d}, "draft");
+        std::int64_t row_stride;
+        if (__builtin_mul_overflow(std::int64_t(d), vocab, &row_stride)) row_stride = 0;
+        py::gil_scoped_release nogil;
+        markov_q_host(reinterpret_cast<const void*>(boundary_ptr), dtype, batch, n_rows, d, vocab, row_stride, r_data,
+                      bonus_data, draft_data, reinterpret_cast<const float*>(w1_ptr),
+                      reinterpret_cast<const float*>(w2_ptr), rank, temperature, reinterpret_cast<float*>(q_ptr));
+      }, py::arg("boundary_ptr"), py::arg("boundary_dtype"), py::arg("batch"), py::arg("n_rows"), py::arg("d"),
+      py::arg("vocab"), py::arg("r"), py::arg("bonus"), py::arg("draft"), py::arg("w1_ptr"), py::arg("w2_ptr"),
+      py::arg("rank"), py::arg("temperature"), py::arg("q_ptr"),
+      "q [B, d, V] (at q_ptr) of the sampling markov_head_host call that drafted draft [B, d], bit for bit.");
   m.def("gumbel_noise_host", [](std::uintptr_t out_ptr, std::int64_t batch, int d, std::int64_t vocab,
                                 std::uint64_t seed, std::uint64_t offset) {
         py::gil_scoped_release nogil;

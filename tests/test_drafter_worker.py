@@ -178,6 +178,30 @@ def test_a_dead_worker_fails_its_decode_and_the_engine_starts_another(pair):
     assert not eng._worker.alive
 
 
+def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, monkeypatch):
+    """With a drafter worker, a sampled head whose noise was drawn ahead drafts alone and the worker computes the
+    draft's q beside verification (noise_ahead.WorkerQ): the outputs equal a thread decode's, whose head
+    computes q itself."""
+    from dpara_rt import noise_ahead
+    target, drafter = pair
+    prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
+    halves = []
+    take = noise_ahead.PendingQ.take
+    monkeypatch.setattr(noise_ahead.PendingQ, "take", lambda self: halves.append(self.half) or take(self))
+    out = {}
+    for mode in ("thread", "process"):
+        eng = Engine(target, drafter, method="dpara", d=D, drafter_worker=mode)
+        try:
+            out[mode] = [eng.generate(prompts, 24, temperature=t, seed=5, top_p=p) for t, p in ((1.0, 1.0), (0.7, 0.9))]
+        finally:
+            eng.close()
+        assert halves if mode == "process" else not halves
+    rounds = sum(res.stats.rounds for res in out["process"])
+    assert len(halves) >= rounds - 4 and set(halves) == {0, 1}  # every round after each decode's serial first
+    for threaded, worker in zip(out["thread"], out["process"]):
+        assert worker.tokens == threaded.tokens and worker.stats.tau == threaded.stats.tau
+
+
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_next_heads_noise_drawn_beside_verification_changes_nothing(pair, mode, monkeypatch):
     """A sampled DPara decode's drafter draws the next Markov head's Gumbel noise after its backbone; the head

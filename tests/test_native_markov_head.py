@@ -256,3 +256,46 @@ def test_noise_drawn_ahead_is_checked():
         _core.gumbel_noise_host(0, 1, 0, 50, 0, 0)
     with pytest.raises(ValueError, match=r"batch \* d \* vocab = 8589934592, expected <= 2\^32"):
         _core.gumbel_noise_host(0, 1 << 16, 2, 1 << 16, 0, 0)
+
+
+# ------------------------------------------------------------------ a draft alone, its q later (noise_ahead.WorkerQ)
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("batch,d,vocab,dtype,bf16_w2", [(1, 7, 2000, torch.bfloat16, True),
+                                                         (3, 4, 300, torch.float32, False),
+                                                         (34, 2, 150, torch.float16, True)])
+def test_draft_alone_then_q_is_the_full_call(batch, d, vocab, dtype, bf16_w2, temperature):
+    boundary, r, bonus, w1, w2 = _inputs(batch, d + 1, d, vocab, 16, dtype, seed=vocab)
+    if bf16_w2:  # a bf16 drafter's factors: the bound's W2 transpose is bf16 (half the bytes)
+        w1, w2 = w1.bfloat16().float(), (w2 * 4).bfloat16().float()
+    head = HostMarkovHead(w1, w2, True)
+    assert (head.bound.w2t.dtype == torch.bfloat16) == bf16_w2
+    noise = gumbel_noise(batch, d, vocab, SEED, OFFSET)
+    draft, q = head(boundary, r, bonus, temperature, SEED, OFFSET, noise)
+    alone, none = head(boundary, r, bonus, temperature, SEED, OFFSET, noise, with_q=False)
+    assert none is None and torch.equal(alone, draft)
+    out = torch.full_like(q, -1.0)
+    assert head.q(boundary, r, bonus, alone, temperature, out=out) is out
+    assert torch.equal(out, q)  # bit for bit
+    assert torch.equal(head.q(boundary, r, bonus, alone, temperature), q)
+    # q is computed from the draft it is given: another draft gives another q
+    other = (alone + 1) % vocab
+    assert not torch.equal(head.q(boundary, r, bonus, other, temperature)[:, 1:], q[:, 1:]) or d == 1
+
+
+def test_draft_alone_and_q_are_checked():
+    boundary, r, bonus, w1, w2 = _inputs(2, 3, 2, 50, 8)
+    head = HostMarkovHead(w1, w2, True)
+    noise = gumbel_noise(2, 2, 50, SEED, OFFSET)
+    with pytest.raises(ValueError, match="with_q=False with temperature 1.0 and noise None: expected a sampling"):
+        head(boundary, r, bonus, 1.0, SEED, OFFSET, with_q=False)
+    with pytest.raises(ValueError, match="noise is given with temperature 0"):
+        head(boundary, r, bonus, 0.0, SEED, OFFSET, noise, with_q=False)
+    draft = torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="with temperature 0: greedy drafting has no q"):
+        head.q(boundary, r, bonus, draft, 0.0)
+    with pytest.raises(ValueError, match=r"draft is torch.int64 \(2, 3\), expected int64 \[B, d\] = \(2, 2\)"):
+        head.q(boundary, r, bonus, torch.zeros(2, 3, dtype=torch.long), 1.0)
+    with pytest.raises(ValueError, match=r"draft\[3\] = 50, expected 0..49"):
+        head.q(boundary, r, bonus, torch.tensor([[0, 1], [2, 50]]), 1.0)
+    with pytest.raises(ValueError, match=r"out has shape \(2, 2, 49\)"):
+        head.q(boundary, r, bonus, draft, 1.0, out=torch.zeros(2, 2, 49))

@@ -353,46 +353,53 @@ template <> DPARA_RT_INLINE float w_at<std::uint16_t>(const std::uint16_t* w, st
 // One token's exact value z[v] + a @ W2[:, v] for step(), from W2's transpose (w2t row v = W2[:, v]), with
 // the same expression per element as step(), so a clone rounds (and contracts into FMAs) the same way.
 template <class W>
-DPARA_RT_INLINE float exact_value(float z, const float* a, const W* w, std::int64_t rank) {
+DPARA_RT_INLINE float exact_value(float z, const float* a, const W* w, std::int64_t rank, float scale) {
   float acc = 0.0f;
   std::int64_t k = 0;
   for (; k + 4 <= rank; k += 4)
     acc += a[k] * w_at(w, k) + a[k + 1] * w_at(w, k + 1) + a[k + 2] * w_at(w, k + 2) + a[k + 3] * w_at(w, k + 3);
   for (; k < rank; ++k) acc += a[k] * w_at(w, k);
-  return (z + acc) * 1.0f;
+  return (z + acc) * scale;
 }
 
-// Greedy step() without the full product: since |a @ W2[:, v]| <= |a| |W2[:, v]| (Cauchy-Schwarz), only a
-// token whose z plus that bound reaches the best exact value found so far can be the arg-max (a few percent
-// of the vocabulary for a trained head). norms[v] >= |W2[:, v]| (rounded up) and the bound is widened by the
-// float32 rounding of the exact sum, so the result is step()'s arg-max. The vocabulary goes in chunks: a
-// chunk's candidates are listed and their W2 columns prefetched, so their loads overlap, then valued.
+// step() without the full product, for its arg-max only: since |a @ W2[:, v]| <= |a| |W2[:, v]|
+// (Cauchy-Schwarz), only a token whose (z + that bound) * scale (+ its Gumbel noise when sampling) reaches
+// the best exact value found so far can win (a few percent of the vocabulary for a trained head). norms[v] >=
+// |W2[:, v]| (rounded up) and the bound is widened by the float32 rounding of the exact value, so the result is
+// step()'s arg-max. The vocabulary goes in chunks: a chunk's candidates are listed and their W2 columns
+// prefetched, so their loads overlap, then valued.
 template <class W>
-DPARA_RT_HOT std::int64_t step_pruned(const float* z, const float* a, const W* w2t, const float* norms,
-                                      std::int64_t rank, std::int64_t vocab) {
+DPARA_RT_HOT std::int64_t step_pruned(const float* z, const float* noise, float scale, const float* a, const W* w2t,
+                                      const float* norms, std::int64_t rank, std::int64_t vocab) {
   constexpr std::int64_t kChunk = 512;
   double sq = 0.0;
   for (std::int64_t k = 0; k < rank; ++k) sq += double(a[k]) * double(a[k]);
   const float a_norm = float(std::sqrt(sq) * (1.0 + 1e-4));  // covers the sum's rounding (rank * 2^-24 << 1e-4)
-  ArgMax first;  // the largest z's exact value is the first bar
+  const F8 zero8{};
+  ArgMax first;  // the token with the largest value before the bias gives the first bar
   std::int64_t v = 0;
-  for (; v + 8 <= vocab; v += 8) first.push8(load8(z + v), v);
-  for (; v < vocab; ++v) first.push1(z[v], v);
+  for (; v + 8 <= vocab; v += 8) first.push8(load8(z + v) * scale + (noise ? load8(noise + v) : zero8), v);
+  for (; v < vocab; ++v) first.push1(z[v] * scale + (noise ? noise[v] : 0.0f), v);
   std::int64_t best_idx = first.index();
-  float best = exact_value(z[best_idx], a, w2t + best_idx * rank, rank);
-  const float rel = 1e-5f;  // the final z + acc rounding, relative to |z| + |acc|
+  const auto exact = [&](std::int64_t u) {
+    const float e = exact_value(z[u], a, w2t + u * rank, rank, scale);
+    return noise ? e + noise[u] : e;
+  };
+  float best = exact(best_idx);
+  const float rel = 1e-5f;  // the exact value's roundings, relative to its terms' magnitudes
   const auto reaches = [&](std::int64_t u) {
-    const float bound = norms[u] * a_norm;
-    return z[u] + bound + (std::fabs(z[u]) + bound) * rel >= best;
+    const float bound = norms[u] * a_norm, g = noise ? noise[u] : 0.0f;
+    const float mag = (std::fabs(z[u]) + bound) * scale + std::fabs(g);
+    return (z[u] + bound) * scale + g + mag * rel >= best;
   };
   std::int32_t cand[kChunk];
   for (std::int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
     const std::int64_t c1 = std::min(vocab, c0 + kChunk);
     int n = 0;
     for (v = c0; v + 8 <= c1; v += 8) {
-      const F8 zv = load8(z + v), bound = load8(norms + v) * a_norm;
-      const F8 mag = (zv > 0 ? zv : -zv) + bound;
-      const I8 reach = (zv + bound + mag * rel) >= best;
+      const F8 zv = load8(z + v), bound = load8(norms + v) * a_norm, g = noise ? load8(noise + v) : zero8;
+      const F8 mag = ((zv > 0 ? zv : -zv) + bound) * scale + (g > 0 ? g : -g);
+      const I8 reach = ((zv + bound) * scale + g + mag * rel) >= best;
       if (std::memcmp(&reach, &kZeroI8, sizeof reach) == 0) continue;
       for (int l = 0; l < 8; ++l)
         if (reach[l]) cand[n++] = std::int32_t(v + l);
@@ -406,7 +413,7 @@ DPARA_RT_HOT std::int64_t step_pruned(const float* z, const float* a, const W* w
     for (int i = 0; i < n; ++i) {
       const std::int64_t u = cand[i];
       if (u == best_idx || !reaches(u)) continue;  // a better best found meanwhile puts it out of reach
-      const float e = exact_value(z[u], a, w2t + u * rank, rank);
+      const float e = exact(u);
       if (e > best || (e == best && u < best_idx)) best = e, best_idx = u;
     }
   }
@@ -445,7 +452,7 @@ void check_index(const char* name, std::int64_t b, std::int64_t value, std::int6
 void check_args(const void* boundary, DType dtype, std::int64_t batch, std::int64_t n_rows, int d, std::int64_t vocab,
                 std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus, const float* w1,
                 const float* w2, std::int64_t rank, double temperature, const std::int64_t* draft_out,
-                const float* q_out) {
+                const float* q_out, const float* noise) {
   using detail::checked_mul;
   using detail::value_error;
   if (batch < 0) value_error(kWhat, "batch = ", batch, ", expected >= 0");
@@ -486,7 +493,9 @@ void check_args(const void* boundary, DType dtype, std::int64_t batch, std::int6
       {"boundary", boundary}, {"r", r}, {"bonus", bonus}, {"w1", w1}, {"w2", w2}, {"draft_out", draft_out}};
   for (const auto& [name, p] : pointers)
     if (!p) value_error(kWhat, name, " is null, expected a buffer (batch = ", batch, ")");
-  if (sample && !q_out) value_error(kWhat, "q_out is null, expected a [batch, d, vocab] float32 buffer when sampling");
+  if (sample && !q_out && !noise)
+    value_error(kWhat, "q_out is null, expected a [batch, d, vocab] float32 buffer when sampling (null only with ",
+                "noise drawn ahead: the draft alone, its q left to markov_q_host)");
   for (std::int64_t b = 0; b < batch; ++b) {
     check_index("r", b, r[b], n_rows, "n_rows");
     check_index("bonus", b, bonus[b], vocab, "vocab");
@@ -518,20 +527,18 @@ void gumbel_noise_host(float* out, std::int64_t batch, int d, std::int64_t vocab
     gumbel_row(out + row * vocab, std::uint32_t(row * vocab), vocab, key);
 }
 
-void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
-                      std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
-                      const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
-                      std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t,
-                      DType w2t_dtype, const float* w2_norms, const float* noise) {
-  check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
-             draft_out, q_out);
-  if (batch == 0) return;
+namespace {
+
+// The head's loop, shared by markov_head_host and markov_q_host. forced (q only): the draft is given, and each
+// step computes z and q exactly as the drafting call did, taking x_j from forced instead of the arg-max.
+// Pruned steps (w2t and w2_norms given) compute exact values only for the arg-max's contenders: no q.
+void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
+              std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
+              const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
+              std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t, DType w2t_dtype,
+              const float* w2_norms, const float* noise, const std::int64_t* forced) {
   const bool sample = temperature > 0;
-  if (noise && !sample)
-    detail::value_error(kWhat, "noise is given with temperature 0, expected null (greedy drafting draws nothing)");
-  const bool pruned = !sample && w2t && w2_norms;
-  if (pruned && w2t_dtype != DType::float32 && w2t_dtype != DType::bfloat16)
-    detail::value_error(kWhat, "w2t dtype ", dtype_name(w2t_dtype), ", expected float32 or bfloat16");
+  const bool pruned = w2t && w2_norms && !q_out;
   // float32(1/T) exactly as kernels/markov_head.py's inverse_temperature rounds it
   const float scale = sample ? float(1.0 / temperature) : 1.0f;
   const PhiloxKey key(offset, seed);
@@ -539,8 +546,7 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
   // Requests go in blocks of up to kBlockRows, stepped together so that each step reads W2 once per block.
   const std::int64_t block = std::min(batch, kBlockRows);
   const std::int64_t tile = std::min(kTile, kAccFloats / block / 8 * 8);
-  // Per row of a block: greedy, its logits; sampling, its Gumbel noise (the logits live in q_out until the
-  // softmax).
+  // Per row of a block: its logits unless they go to q_out, or its Gumbel noise when drawn here.
   std::vector<float> scratch(static_cast<std::size_t>(block * vocab));
   RowState rows[kBlockRows];
   std::int64_t x[kBlockRows];
@@ -556,25 +562,26 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
       for (int i = 0; i < count; ++i) {
         const std::int64_t out = (b0 + i) * d + j;
         float* own = scratch.data() + i * vocab;
-        float* z = sample ? q_out + out * vocab : own;
+        float* z = q_out ? q_out + out * vocab : own;
         load_row(z, src[i] + std::size_t(j * vocab) * esize, boundary_dtype, vocab);
         const float* g = nullptr;
         if (sample && noise) {
           g = noise + out * vocab;  // drawn ahead of time by gumbel_noise_host: the same bits
-        } else if (sample) {
+        } else if (sample && !forced) {
           gumbel_row(own, std::uint32_t(out * vocab), vocab, key);
           g = own;
         }
         rows[i].z = z;
-        rows[i].noise = g;
+        rows[i].noise = forced ? nullptr : g;
         rows[i].a = w1 + x[i] * rank;
       }
       if (pruned) {
         for (int i = 0; i < count; ++i)
           x[i] = w2t_dtype == DType::float32
-                     ? step_pruned(rows[i].z, rows[i].a, static_cast<const float*>(w2t), w2_norms, rank, vocab)
-                     : step_pruned(rows[i].z, rows[i].a, static_cast<const std::uint16_t*>(w2t), w2_norms, rank,
-                                   vocab);
+                     ? step_pruned(rows[i].z, rows[i].noise, scale, rows[i].a, static_cast<const float*>(w2t),
+                                   w2_norms, rank, vocab)
+                     : step_pruned(rows[i].z, rows[i].noise, scale, rows[i].a,
+                                   static_cast<const std::uint16_t*>(w2t), w2_norms, rank, vocab);
       } else if (count == 1) {
         x[0] = step(rows[0].z, rows[0].noise, rows[0].a, w2, rank, vocab, scale);
       } else {
@@ -583,12 +590,45 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
       }
       for (int i = 0; i < count; ++i) {
         const std::int64_t out = (b0 + i) * d + j;
-        check_index("drafted token x", out, x[i], vocab, "vocab");  // by construction; guards the next W1 read
-        if (sample) softmax_row(rows[i].z, vocab);
-        draft_out[out] = x[i];
+        if (forced) x[i] = forced[out];
+        check_index(forced ? "draft" : "drafted token x", out, x[i], vocab, "vocab");  // guards the next W1 read
+        if (q_out) softmax_row(rows[i].z, vocab);
+        if (draft_out) draft_out[out] = x[i];
       }
     }
   }
+}
+
+}  // namespace
+
+void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
+                      std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
+                      const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
+                      std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t,
+                      DType w2t_dtype, const float* w2_norms, const float* noise) {
+  check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
+             draft_out, q_out, noise);
+  if (batch == 0) return;
+  if (noise && !(temperature > 0))
+    detail::value_error(kWhat, "noise is given with temperature 0, expected null (greedy drafting draws nothing)");
+  if (w2t && w2_norms && w2t_dtype != DType::float32 && w2t_dtype != DType::bfloat16)
+    detail::value_error(kWhat, "w2t dtype ", dtype_name(w2t_dtype), ", expected float32 or bfloat16");
+  const bool prune = w2t && w2_norms && !q_out;  // a sampling call that writes q needs every logit anyway
+  run_head(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature, seed,
+           offset, draft_out, q_out, prune ? w2t : nullptr, w2t_dtype, prune ? w2_norms : nullptr, noise, nullptr);
+}
+
+void markov_q_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
+                   std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
+                   const std::int64_t* draft, const float* w1, const float* w2, std::int64_t rank,
+                   double temperature, float* q_out) {
+  if (!(temperature > 0))
+    detail::value_error(kWhat, "markov_q_host: temperature = ", temperature, ", expected > 0 (greedy has no q)");
+  check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
+             draft, q_out, nullptr);
+  for (std::int64_t i = 0; i < batch * d; ++i) check_index("draft", i, draft[i], vocab, "vocab");
+  run_head(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature, 0, 0,
+           nullptr, q_out, nullptr, DType::float32, nullptr, nullptr, draft);
 }
 
 }  // namespace dpara_rt

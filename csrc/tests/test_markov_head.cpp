@@ -1,5 +1,6 @@
 // Host Markov head: Philox known answers, greedy steps by hand (every boundary dtype, ties), an exact
-// integer case across vocabulary tiles against a naive walk, sampling invariants, argument validation.
+// integer case across vocabulary tiles against a naive walk, sampling invariants, a sampled draft alone
+// (pruned) and its q from markov_q_host against the full call, argument validation.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -122,6 +123,56 @@ static void test_sampling_invariants() {
   CHECK(again == draft && q2 == q);
 }
 
+static void test_draft_alone_then_q_equals_the_full_call() {
+  // A sampling call with its noise drawn ahead may draft alone, pruned by the Cauchy-Schwarz bound, and leave
+  // q to markov_q_host: the same draft and the same q bits as one full call, for one row and a block of rows.
+  const std::int64_t vocab = 1500, rank = 12, n_rows = 3;
+  const int d = 4;
+  std::uint64_t s = 99;
+  auto uniform = [&] { return float(lcg(s, 1 << 20)) / float(1 << 20) - 0.5f; };
+  F w1(static_cast<std::size_t>(vocab * rank)), w2(w1.size()), w2t(w1.size()), norms(static_cast<std::size_t>(vocab));
+  for (auto& w : w1) w = 2.0f * uniform();
+  for (auto& w : w2) w = uniform();
+  for (std::int64_t v = 0; v < vocab; ++v) {
+    double sq = 0;
+    for (std::int64_t k = 0; k < rank; ++k) {
+      w2t[std::size_t(v * rank + k)] = w2[std::size_t(k * vocab + v)];
+      sq += double(w2[std::size_t(k * vocab + v)]) * w2[std::size_t(k * vocab + v)];
+    }
+    norms[std::size_t(v)] = std::nextafter(float(std::sqrt(sq)), std::numeric_limits<float>::infinity());
+  }
+  for (std::int64_t batch : {1, 3}) {
+    F boundary(std::size_t(batch * n_rows * d * vocab));
+    for (auto& z : boundary) z = 8.0f * uniform();
+    I r(static_cast<std::size_t>(batch)), bonus(r.size());
+    for (std::int64_t b = 0; b < batch; ++b) r[std::size_t(b)] = b % n_rows, bonus[std::size_t(b)] = 17 * b + 3;
+    for (double t : {1.0, 0.6}) {
+      F noise(std::size_t(batch * d * vocab)), q(noise.size()), q_later(noise.size(), -1.0f);
+      gumbel_noise_host(noise.data(), batch, d, vocab, 5, 11);
+      I full(std::size_t(batch * d)), alone(full.size(), -1);
+      markov_head_host(boundary.data(), DType::float32, batch, n_rows, d, vocab, d * vocab, r.data(), bonus.data(),
+                       w1.data(), w2.data(), rank, t, 5, 11, full.data(), q.data(), nullptr, DType::float32,
+                       nullptr, noise.data());
+      markov_head_host(boundary.data(), DType::float32, batch, n_rows, d, vocab, d * vocab, r.data(), bonus.data(),
+                       w1.data(), w2.data(), rank, t, 5, 11, alone.data(), nullptr, w2t.data(), DType::float32,
+                       norms.data(), noise.data());
+      CHECK(alone == full);
+      markov_q_host(boundary.data(), DType::float32, batch, n_rows, d, vocab, d * vocab, r.data(), bonus.data(),
+                    full.data(), w1.data(), w2.data(), rank, t, q_later.data());
+      CHECK(q_later == q);
+    }
+    I bad(std::size_t(batch * d), 0);
+    bad.back() = vocab;
+    F q(std::size_t(batch * d * vocab));
+    CHECK_THROWS(markov_q_host(boundary.data(), DType::float32, batch, n_rows, d, vocab, d * vocab, r.data(),
+                               bonus.data(), bad.data(), w1.data(), w2.data(), rank, 1.0, q.data()),
+                 std::invalid_argument, "expected 0..1499");
+    CHECK_THROWS(markov_q_host(boundary.data(), DType::float32, batch, n_rows, d, vocab, d * vocab, r.data(),
+                               bonus.data(), bad.data(), w1.data(), w2.data(), rank, 0.0, q.data()),
+                 std::invalid_argument, "temperature = 0, expected > 0");
+  }
+}
+
 static void test_validation() {
   HandCase c;
   const F b(12, 0.0f);
@@ -143,7 +194,7 @@ static void test_validation() {
   CHECK_THROWS(call(1, 2, 2, 3, 6, 1, -0.5, nullptr), std::invalid_argument, "temperature = -0.5");
   CHECK_THROWS(call(1, 2, 2, 3, 6, 1, std::nan(""), nullptr), std::invalid_argument, "temperature = nan");
   CHECK_THROWS(call(1, 2, 2, 3, 6, 1, 1e-300, q.data()), std::invalid_argument, "1/temperature");
-  CHECK_THROWS(call(1, 2, 2, 3, 6, 1, 1.0, nullptr), std::invalid_argument, "q_out is null");
+  CHECK_THROWS(call(1, 2, 2, 3, 6, 1, 1.0, nullptr), std::invalid_argument, "q_out is null");  // and no noise
   CHECK_THROWS(call(1, 2, 2, 3, 6, 1, 0.0, q.data()), std::invalid_argument, "q_out is given with temperature 0");
   // 2^20 requests * 32 * 8192 logits: more than the 2^32 counters (nothing is read: validation fails first)
   CHECK_THROWS(call(1 << 20, 1, 32, 8192, 32 * 8192, 1, 1.0, q.data()), std::invalid_argument, "expected <= 2^32");
@@ -167,6 +218,7 @@ int main() {
   test_float16_subnormals_and_signs();
   test_integer_case_matches_naive_walk();
   test_sampling_invariants();
+  test_draft_alone_then_q_equals_the_full_call();
   test_validation();
   return check::finish("test_markov_head");
 }

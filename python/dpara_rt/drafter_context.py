@@ -71,8 +71,9 @@ class LocalContext:
         """Wait for the calls still running (none here); their (phase, start_ns, end_ns) spans."""
         return []
 
-    def noise_buffer(self, shape: tuple) -> torch.Tensor:
-        """A float32 buffer the drafter draws the Markov head's noise into (dpara_rt.noise_ahead)."""
+    def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
+        """A float32 buffer both sides of the context use: the Markov head's noise drawn ahead ("noise",
+        dpara_rt.noise_ahead). Here the drafter runs in this process: plain memory."""
         return torch.empty(shape, dtype=torch.float32)
 
 
@@ -87,6 +88,7 @@ class WorkerContext:
         worker.discard()  # replies a cancelled decode left behind
         worker.call("new_cache", batch, max_len)
         self._staged_features: dict[int, int] = {}  # the features staging's address per phase -> phase
+        self._maps: dict[str, mmap.mmap] = {}  # shared_buffer's mappings on this side
 
     def map_buffers(self, staging, ring) -> None:
         """Map the core's shared staging and ring into the worker (they are rebuilt when a decode grows)."""
@@ -132,17 +134,31 @@ class WorkerContext:
         self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype),
                          torch.as_tensor(keep).tolist(), spine.tolist(), slot, project, noise)
 
-    def noise_buffer(self, shape: tuple) -> torch.Tensor:
-        """A float32 buffer in shared memory (a memfd mapped here and in the worker) for the head's noise."""
+    def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
+        """A float32 buffer in shared memory (a memfd mapped here and in the worker): the head's noise drawn
+        ahead ("noise") or the q the worker computes for a draft ("q")."""
         nbytes = 4 * math.prod(shape)
-        fd = os.memfd_create("dpara_rt-noise", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            self._noise_map = mmap.mmap(fd, nbytes)
-            self.worker.call("map_noise", tuple(shape), fds=(fd,))
+            self._maps[name] = mmap.mmap(fd, nbytes)
+            self.worker.call("map_shared", name, tuple(shape), fds=(fd,))
         finally:
             os.close(fd)
-        return torch.frombuffer(self._noise_map, dtype=torch.float32).view(shape)
+        return torch.frombuffer(self._maps[name], dtype=torch.float32).view(shape)
+
+    def markov_q(self, slot: int, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor, temperature: float,
+                 markov: bool, half: int) -> None:
+        """Have the worker compute the q of a draft the head made without it (HostMarkovHead.q, from ring slot
+        `slot`) into half `half` of the shared "q" buffer, before its next call; ``wait_q`` waits for it."""
+        self.worker.post("markov_q", slot, r.tolist(), bonus.tolist(), draft.tolist(), temperature, markov, half)
+
+    def wait_q(self) -> tuple[int, int]:
+        """Wait for the q posted last (the worker's first pending call); its (start_ns, end_ns)."""
+        (op, _, span), = self.worker.collect(count=1)
+        if op != "markov_q":
+            raise RuntimeError(f"the drafter worker answered {op!r} where the draft's q was expected")
+        return span
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, _to_pipe(features))
@@ -223,12 +239,14 @@ class DrafterWorker:
                 raise self._died(op) from e
             self._pending.append(op)
 
-    def collect(self, errors: bool = True) -> list[tuple[str, object, tuple[int, int]]]:
-        """Wait for every posted call: (op, result, (start_ns, end_ns)) each, in order. The first error is
-        raised once all have answered (`errors=False` drops errors)."""
+    def collect(self, errors: bool = True, count: int | None = None) -> list[tuple[str, object, tuple[int, int]]]:
+        """Wait for every posted call (or the first `count`): (op, result, (start_ns, end_ns)) each, in order.
+        The first error is raised once all of them have answered (`errors=False` drops errors)."""
         done, error = [], None
         with self._lock:
-            while self._pending:
+            seen = 0
+            while self._pending and (count is None or seen < count):
+                seen += 1
                 op = self._pending.pop(0)
                 try:  # a worker that dies closes its end of the pipe: recv raises EOFError then
                     status, value, where = self._conn.recv()
@@ -306,7 +324,8 @@ class _Worker:
         self._maps: list[mmap.mmap] = []
         self._features: dict[int, torch.Tensor] = {}
         self._slots: list[torch.Tensor] = []
-        self._noise: torch.Tensor | None = None  # [2, B, d, V]: the Markov head's noise, drawn ahead
+        self._shared: dict[str, torch.Tensor] = {}  # float32 buffers shared with the caller: "noise", "q"
+        self._shared_maps: dict[str, mmap.mmap] = {}
 
     def ping(self):
         return os.getpid()
@@ -351,12 +370,19 @@ class _Worker:
         self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=self._slots[slot], project=project)
         if noise is not None:  # the next head's Gumbel noise, while the target still verifies
             half, seed, offset = noise
-            _, batch, d, vocab = self._noise.shape
-            gumbel_noise(batch, d, vocab, seed, offset, out=self._noise[half])
+            _, batch, d, vocab = self._shared["noise"].shape
+            gumbel_noise(batch, d, vocab, seed, offset, out=self._shared["noise"][half])
 
-    def map_noise(self, shape: tuple, conn) -> None:
-        self._noise_map = _map(reduction.recv_handle(conn), 4 * math.prod(shape))
-        self._noise = torch.frombuffer(self._noise_map, dtype=torch.float32).view(shape)
+    def markov_q(self, slot: int, r: list[int], bonus: list[int], draft: list[list[int]], temperature: float,
+                 markov: bool, half: int) -> None:
+        # The same head (the drafter's fp32 factors) as the caller's: q bit for bit as its sampling call made it
+        head = self.drafter.markov_head(markov)
+        head.q(self._slots[slot], torch.tensor(r), torch.tensor(bonus), torch.tensor(draft), temperature,
+               out=self._shared["q"][half])
+
+    def map_shared(self, name: str, shape: tuple, conn) -> None:
+        self._shared_maps[name] = _map(reduction.recv_handle(conn), 4 * math.prod(shape))
+        self._shared[name] = torch.frombuffer(self._shared_maps[name], dtype=torch.float32).view(shape)
 
     def reset_row(self, b: int, features: tuple) -> None:
         _reset_row(self.drafter, self.cache, b, _from_pipe(features))
@@ -406,7 +432,7 @@ def _serve(conn, drafter, cores, threads: int) -> None:
             try:
                 fn = getattr(worker, op)
                 t0 = now_ns()
-                value = fn(*args, conn) if op in ("map_buffers", "map_noise") else fn(*args)
+                value = fn(*args, conn) if op in ("map_buffers", "map_shared") else fn(*args)
                 reply = ("ok", value, (t0, now_ns()))
             except Exception as e:  # noqa: BLE001 - the caller raises it
                 reply = ("error", e, traceback.format_exc())

@@ -91,37 +91,65 @@ class HostMarkovHead:
         self.w1, self.w2, self.bound, self.vocab, self.rank = w1, w2, bound or None, vocab, rank
 
     def __call__(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
-                 seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None):
+                 seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None, with_q: bool = True):
         """(draft [B, d], q [B, d, V] or None). ``noise``: this call's Gumbel noise, drawn ahead of time by
-        ``gumbel_noise`` with the same seed and offset (sampling only): the same draft, without drawing here."""
-        _cpu_tensor("boundary", boundary, 4)
-        if boundary.dtype not in _BOUNDARY_DTYPES:
-            raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")
-        if not boundary.is_contiguous():
-            raise ValueError(f"boundary with strides {boundary.stride()} is not contiguous; pass boundary.contiguous()")
-        batch, n_rows, d, vocab = boundary.shape
-        if vocab != self.vocab:
-            raise ValueError(f"boundary's last dimension is {vocab}; expected V = {self.vocab} (w1 has shape "
-                             f"{tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)})")
-        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+        ``gumbel_noise`` with the same seed and offset (sampling only): the same draft, without drawing here.
+        ``with_q=False`` (sampling with noise): the draft alone, its steps pruned by the bound like greedy ones;
+        ``q(...)`` gives its q later, bit for bit."""
+        batch, d, vocab, r_np, bonus_np = self._check(boundary, r, bonus, temperature)
         _check_stream(seed, offset)
-        r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
-        pruned = self.bound if temperature == 0 else None
         if noise is not None:
             if temperature == 0:
                 raise ValueError("noise is given with temperature 0; greedy drafting draws no noise")
             _host_buffer("noise", noise, torch.float32, (batch, d, vocab), "[B, d, V]")
-
+        if not with_q and (temperature == 0 or noise is None):
+            raise ValueError(f"with_q=False with temperature {temperature} and noise "
+                             f"{'given' if noise is not None else None}: expected a sampling call with its noise "
+                             "drawn ahead (greedy calls have no q anyway)")
+        sampled_q = temperature > 0 and with_q
+        pruned = self.bound if not sampled_q else None
         draft = torch.empty(batch, d, dtype=torch.long)
-        q = torch.empty(batch, d, vocab, dtype=torch.float32) if temperature > 0 else None
-        _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, n_rows, d, vocab, r_np,
-                               bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank, float(temperature),
+        q = torch.empty(batch, d, vocab, dtype=torch.float32) if sampled_q else None
+        _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, boundary.shape[1], d,
+                               vocab, r_np, bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank, float(temperature),
                                int(seed), int(offset), draft.numpy(), 0 if q is None else q.data_ptr(),
                                pruned.w2t.data_ptr() if pruned else 0,
                                _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
                                pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr())
         return draft, q
+
+    def q(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor,
+          temperature: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, d, V] of the sampling call on (boundary, r, bonus, temperature) that drafted ``draft`` [B, d]
+        (into ``out`` when given): what that call returns as q, bit for bit, without its sequential draws."""
+        batch, d, vocab, r_np, bonus_np = self._check(boundary, r, bonus, temperature)
+        if temperature == 0:
+            raise ValueError("q(...) with temperature 0: greedy drafting has no q")
+        _cpu_tensor("draft", draft, 2)
+        if draft.dtype != torch.long or tuple(draft.shape) != (batch, d):
+            raise ValueError(f"draft is {draft.dtype} {tuple(draft.shape)}, expected int64 [B, d] = ({batch}, {d})")
+        if out is None:
+            out = torch.empty(batch, d, vocab, dtype=torch.float32)
+        _host_buffer("out", out, torch.float32, (batch, d, vocab), "[B, d, V]")
+        _core.markov_q_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, boundary.shape[1], d, vocab,
+                            r_np, bonus_np, draft.contiguous().numpy(), self.w1.data_ptr(), self.w2.data_ptr(),
+                            self.rank, float(temperature), out.data_ptr())
+        return out
+
+    def _check(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature):
+        """(batch, d, vocab, r, bonus as int64 arrays) of a call's boundary [B, n_rows, d, V] and indices."""
+        _cpu_tensor("boundary", boundary, 4)
+        if boundary.dtype not in _BOUNDARY_DTYPES:
+            raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")
+        if not boundary.is_contiguous():
+            raise ValueError(f"boundary with strides {boundary.stride()} is not contiguous; pass boundary.contiguous()")
+        batch, _, d, vocab = boundary.shape
+        if vocab != self.vocab:
+            raise ValueError(f"boundary's last dimension is {vocab}; expected V = {self.vocab} (w1 has shape "
+                             f"{tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)})")
+        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+        return batch, d, vocab, _index_array("r", r, batch), _index_array("bonus", bonus, batch)
 
 
 def gumbel_noise(batch: int, d: int, vocab: int, seed: int, offset: int, out: torch.Tensor | None = None):

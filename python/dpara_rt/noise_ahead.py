@@ -1,4 +1,5 @@
-"""The Gumbel noise of DPara's next sampled Markov head, drawn beside verification.
+"""Sampled Markov head work moved beside verification: the next head's Gumbel noise (NoiseAhead) and, with a
+drafter worker process, the q of the draft it made (WorkerQ).
 
 A sampling head call draws Gumbel noise for every drafted logit (d x V per request: about half of the call's
 time on the host). The noise depends only on the call's counters (seed, offset, position), not on (r, bonus), so
@@ -17,7 +18,7 @@ from dpara_rt.native import HostMarkovHead, gumbel_noise
 class NoiseAhead:
     def __init__(self, context):
         self.context = context
-        self.buffer: torch.Tensor | None = None          # [2, B, d, V] float32, from context.noise_buffer
+        self.buffer: torch.Tensor | None = None          # [2, B, d, V] float32, from context.shared_buffer("noise", ...)
         self._drawn: list[tuple | None] = [None, None]   # (batch, seed, offset) each half holds or will hold
 
     def plan(self, head, batch: int, d: int, vocab: int, seed: int, offset: int) -> tuple | None:
@@ -27,7 +28,7 @@ class NoiseAhead:
             return None
         shape = (2, batch, d, vocab)
         if self.buffer is None or tuple(self.buffer.shape) != shape:
-            self.buffer = self.context.noise_buffer(shape)
+            self.buffer = self.context.shared_buffer("noise", shape)
             self._drawn = [None, None]
         half = offset % 2
         self._drawn[half] = (batch, seed, offset)
@@ -46,3 +47,35 @@ class NoiseAhead:
             return None
         self._drawn[half] = None
         return self.buffer[half]
+
+
+class WorkerQ:
+    """q [B, d, V] of a sampled DPara draft, computed by the drafter worker beside verification. With its noise
+    drawn ahead, the head on the critical path only drafts (the arg-max of z + g, pruned by the same bound as a
+    greedy step), and the worker computes q from the same ring slot, (r, bonus) and draft (HostMarkovHead.q):
+    bit for bit the q the head would have returned, ready long before the target's forward ends."""
+
+    def __init__(self, context):
+        self.context = context
+        self.buffer: torch.Tensor | None = None  # [2, B, d, V] float32, from context.shared_buffer("q", ...)
+
+    def post(self, slot: int, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor, vocab: int,
+             temperature: float, markov: bool, call: int) -> "PendingQ":
+        shape = (2, *draft.shape, vocab)
+        if self.buffer is None or tuple(self.buffer.shape) != shape:
+            self.buffer = self.context.shared_buffer("q", shape)
+        half = call % 2  # the verify reading this half ends before the call after next writes it again
+        self.context.markov_q(slot, r, bonus, draft, temperature, markov, half)
+        return PendingQ(self, half)
+
+
+class PendingQ:
+    """A draft's q that the worker is computing: ``take()`` (on the target lane, after the target's forward)
+    waits for it and returns the shared buffer's half."""
+
+    def __init__(self, owner: WorkerQ, half: int):
+        self.owner, self.half = owner, half
+
+    def take(self) -> torch.Tensor:
+        self.owner.context.wait_q()
+        return self.owner.buffer[self.half]

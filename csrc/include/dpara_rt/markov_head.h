@@ -31,13 +31,22 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
 // (w2_norms[v] >= |W2[:, v]|, rounded up), both given or both null: greedy steps then compute the exact value
 // only for the tokens that the bound |W1[x] @ W2[:, v]| <= |W1[x]| |W2[:, v]| leaves in reach of the arg-max.
 // Same drafts either way. noise (sampling only, or null): [batch, d, vocab] from gumbel_noise_host with the
-// same seed and offset, used instead of drawing it here.
+// same seed and offset, used instead of drawing it here. Sampling with noise and q_out null drafts alone (pruned
+// by the same bound when w2t / w2_norms are given); markov_q_host then gives that draft's q.
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
                       std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t = nullptr,
                       DType w2t_dtype = DType::float32, const float* w2_norms = nullptr,
                       const float* noise = nullptr);
+
+// q_out [batch, d, vocab] of the sampling markov_head_host call (same boundary, r, bonus, W1, W2, temperature)
+// that drafted `draft` [batch, d]: bit for bit what it would have written, computed from the given draft, so
+// the d steps no longer wait on each other's draws (a DPara drafter computes it beside verification).
+void markov_q_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
+                   std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
+                   const std::int64_t* draft, const float* w1, const float* w2, std::int64_t rank,
+                   double temperature, float* q_out);
 
 // The Gumbel noise a sampling markov_head_host call with (batch, d, vocab, seed, offset) draws, into out
 // [batch, d, vocab] float32. Passed back to that call as `noise`, the draw is the same and leaves the critical

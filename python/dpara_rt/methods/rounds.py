@@ -26,7 +26,7 @@ from dpara_rt.core import slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.models.target import Target
-from dpara_rt.noise_ahead import NoiseAhead
+from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
 from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample, uniforms
 
 PSD_POLICIES = ("pearl", "ssd")
@@ -133,7 +133,7 @@ class Draft:
     bonus: Tensor            # [B] long, host: s_0, the last round's bonus
     tokens: Tensor | None    # [B, d] long on the drafter's device: t_1..t_d (None: an AR round)
     staged: Tensor | None    # the same tokens in staging, int32 [B, d]: what the target lane reads
-    q: Tensor | None         # the drafter's distributions [B, d, V] when sampling
+    q: Tensor | PendingQ | None  # the drafter's distributions [B, d, V] when sampling (PendingQ: the worker's)
     ready: _core.Event       # drafter lane, after the tokens and q were written
 
     def spine(self, device) -> Tensor:
@@ -241,13 +241,15 @@ class Decoder:
         self.ring_logits = opts.dpara_ring == "logits"
         self._ring_capacity = ring_capacity
         self._markov_head = None  # the drafter's head (Drafter.markov_head: built once, not per decode)
+        self.worker_q = None
         if needs_drafter:
             # The drafter's context cache, here or in a drafter worker process (dpara_rt.drafter_context)
             self.context = (WorkerContext(worker, B, target.max_len) if worker is not None
                             else LocalContext(drafter, B, target.max_len))
             # The head accumulates in fp32: its rank-R factors are converted (on the host its bound built) once.
-            self._markov_head = drafter.markov_head(markov)
+            self._markov_head, self._markov_enabled = drafter.markov_head(markov), markov
             self.noise = NoiseAhead(self.context)  # sampled heads' noise, drawn beside verification
+            self.worker_q = WorkerQ(self.context) if self.context.remote else None  # and their q, by the worker
             self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
@@ -358,14 +360,16 @@ class Decoder:
         """An AR round: the block is the last bonus alone."""
         return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event())
 
-    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor) -> tuple[Tensor, Tensor | None]:
+    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor,
+               slot: int | None = None) -> tuple[Tensor, Tensor | PendingQ | None]:
         """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus: (draft [B, n], q).
 
         One batched head call when the batch shares one temperature and one seed. Otherwise (per-request
         temperatures or seeds) the head runs once per row with that row's temperature: with per-request seeds
         under the row's seed at the call's offset (what the request alone would draw), with one seed at offset
         calls + (b << 40) (a stream of its own per row). A greedy row of a sampled batch gets q one-hot at its
-        draft token, which verification against its one-hot p accepts exactly when AR greedy would."""
+        draft token, which verification against its one-hot p accepts exactly when AR greedy would. `slot`: the
+        ring slot `boundary` is, from which a drafter worker computes q beside verification (noise_ahead.WorkerQ)."""
         dev = boundary.device
         self._markov_calls += 1  # each call draws fresh Gumbel noise
         r, bonus = r.to(dev), bonus.to(dev)
@@ -373,6 +377,11 @@ class Decoder:
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
             seed = opts.seed[0] if opts.per_request_seeds else opts.seed
             noise = self.noise.take(len(r), seed, self._markov_calls) if opts.sampling else None
+            if noise is not None and slot is not None and self.worker_q is not None:
+                draft, _ = self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise,
+                                             with_q=False)
+                return draft, self.worker_q.post(slot, r, bonus, draft, boundary.shape[-1], self._head_temps[0],
+                                                 self._markov_enabled, self._markov_calls)
             if noise is not None:
                 return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise)
             return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls)
@@ -456,7 +465,7 @@ class Decoder:
         try:
             boundary = self._slots[slot]
             if self.ring_logits:
-                return self.markov(boundary, r, bonus)
+                return self.markov(boundary, r, bonus, slot)
             rows = boundary[torch.arange(len(r)), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
             logits = self.drafter.logits(rows)
             return self.markov(logits[:, None], torch.zeros_like(r), bonus)
@@ -505,7 +514,7 @@ class Decoder:
         B, d = block.shape[0], block.shape[1] - 1
         u_accept = uniforms(self.generator, B, d).to(p.device)
         u_bonus = uniforms(self.generator, B).to(p.device)
-        q = draft.q.to(p.device)
+        q = (draft.q.take() if isinstance(draft.q, PendingQ) else draft.q).to(p.device)
         damaged = not all_finite(q)
         if damaged:
             finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
