@@ -192,7 +192,8 @@ def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, monkeyp
     for mode in ("thread", "process"):
         eng = Engine(target, drafter, method="dpara", d=D, drafter_worker=mode)
         try:
-            out[mode] = [eng.generate(prompts, 24, temperature=t, seed=5, top_p=p) for t, p in ((1.0, 1.0), (0.7, 0.9))]
+            out[mode] = [eng.generate(prompts, 24, temperature=t, seed=5, top_p=top_p)
+                         for t, top_p in ((1.0, 1.0), (0.7, 0.9))]
         finally:
             eng.close()
         assert halves if mode == "process" else not halves

@@ -153,12 +153,11 @@ class WorkerContext:
         `slot`) into half `half` of the shared "q" buffer, before its next call; ``wait_q`` waits for it."""
         self.worker.post("markov_q", slot, r.tolist(), bonus.tolist(), draft.tolist(), temperature, markov, half)
 
-    def wait_q(self) -> tuple[int, int]:
-        """Wait for the q posted last (the worker's first pending call); its (start_ns, end_ns)."""
-        (op, _, span), = self.worker.collect(count=1)
+    def wait_q(self) -> None:
+        """Wait for the q posted last: the worker's first pending call (settle collected everything before it)."""
+        (op, _, _), = self.worker.collect(count=1)
         if op != "markov_q":
             raise RuntimeError(f"the drafter worker answered {op!r} where the draft's q was expected")
-        return span
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, _to_pipe(features))

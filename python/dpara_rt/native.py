@@ -111,9 +111,9 @@ class HostMarkovHead:
         draft = torch.empty(batch, d, dtype=torch.long)
         q = torch.empty(batch, d, vocab, dtype=torch.float32) if sampled_q else None
         _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, boundary.shape[1], d,
-                               vocab, r_np, bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank, float(temperature),
-                               int(seed), int(offset), draft.numpy(), 0 if q is None else q.data_ptr(),
-                               pruned.w2t.data_ptr() if pruned else 0,
+                               vocab, r_np, bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank,
+                               float(temperature), int(seed), int(offset), draft.numpy(),
+                               0 if q is None else q.data_ptr(), pruned.w2t.data_ptr() if pruned else 0,
                                _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
                                pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr())
         return draft, q

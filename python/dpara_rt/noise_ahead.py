@@ -18,7 +18,7 @@ from dpara_rt.native import HostMarkovHead, gumbel_noise
 class NoiseAhead:
     def __init__(self, context):
         self.context = context
-        self.buffer: torch.Tensor | None = None          # [2, B, d, V] float32, from context.shared_buffer("noise", ...)
+        self.buffer: torch.Tensor | None = None          # [2, B, d, V] float32: context.shared_buffer("noise")
         self._drawn: list[tuple | None] = [None, None]   # (batch, seed, offset) each half holds or will hold
 
     def plan(self, head, batch: int, d: int, vocab: int, seed: int, offset: int) -> tuple | None:
