@@ -403,14 +403,14 @@ namespace {
 
 // The head's loop, shared by markov_head_host and markov_q_host. forced (q only): the draft is given, and each
 // step computes z and q exactly as the drafting call did, taking x_j from forced instead of the arg-max.
-// Pruned steps (w2t and w2_norms given) compute exact values only for the arg-max's contenders: no q.
+// Pruned steps (w2t and w2_norms given, by a caller that wants no q) value only the arg-max's contenders.
 void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
               std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
               const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
               std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t, DType w2t_dtype,
               const float* w2_norms, const float* noise, const std::int64_t* forced) {
   const bool sample = temperature > 0;
-  const bool pruned = w2t && w2_norms && !q_out;
+  const bool pruned = w2t && w2_norms;
   // float32(1/T) exactly as kernels/markov_head.py's inverse_temperature rounds it
   const float scale = sample ? float(1.0 / temperature) : 1.0f;
   const PhiloxKey key(offset, seed);
