@@ -13,6 +13,7 @@
 
 #include "dpara_rt/build_info.h"
 #include "dpara_rt/dlpack.h"
+#include "dpara_rt/host_linear.h"
 #include "dpara_rt/lane.h"
 #include "dpara_rt/markov_head.h"
 #include "dpara_rt/metrics.h"
@@ -459,6 +460,25 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("out_ptr"), py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("seed"), py::arg("offset"),
       "The Gumbel noise a sampling markov_head_host call with these (batch, d, vocab, seed, offset) draws, into "
       "out [B, d, V] float32 (contiguous).");
+  m.def("host_linear_packed_elems", &host_linear_packed_elems, py::arg("n"), py::arg("k"),
+        "Elements of host_linear_pack's output for an n x k weight.");
+  // Pointers as data_ptr() integers: dpara_rt.models.host_linear checks the tensors.
+  m.def("host_linear_pack", [](std::uintptr_t w_ptr, std::int64_t n, std::int64_t k, std::uintptr_t packed_ptr,
+                               const std::string& packed_dtype) {
+        const DType dtype = parse_dtype(packed_dtype);
+        py::gil_scoped_release nogil;
+        host_linear_pack(reinterpret_cast<const float*>(w_ptr), n, k, reinterpret_cast<void*>(packed_ptr), dtype);
+      }, py::arg("w_ptr"), py::arg("n"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"),
+      "Pack a float32 weight [n, k] into panels (float32, or bfloat16 when every weight is a bfloat16 value).");
+  m.def("host_linear", [](std::uintptr_t x_ptr, std::int64_t m, std::int64_t k, std::uintptr_t packed_ptr,
+                          const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr) {
+        const DType dtype = parse_dtype(packed_dtype);
+        py::gil_scoped_release nogil;
+        host_linear(reinterpret_cast<const float*>(x_ptr), m, k, reinterpret_cast<const void*>(packed_ptr), dtype, n,
+                    reinterpret_cast<float*>(y_ptr));
+      }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
+      py::arg("y_ptr"),
+      "y [m, n] = x [m, k] @ W^T (float32, contiguous) over W packed by host_linear_pack; releases the GIL.");
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
   // Buffers as data_ptr() integers (numpy views would cost more than the work at small batch): dpara_rt.native

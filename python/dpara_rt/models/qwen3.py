@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
+from dpara_rt.models.host_linear import HostLinear
 from dpara_rt.models.kv_cache import KVCache
 
 MODEL_TYPE = "qwen3"
@@ -153,10 +154,10 @@ class Attention(nn.Module):
         super().__init__()
         kw = dict(bias=False, device=device, dtype=dtype)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, **kw)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, **kw)
+        self.q_proj = HostLinear(cfg.hidden_size, self.n_heads * self.head_dim, **kw)
+        self.k_proj = HostLinear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
+        self.v_proj = HostLinear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
+        self.o_proj = HostLinear(self.n_heads * self.head_dim, cfg.hidden_size, **kw)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
 
@@ -185,9 +186,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: Qwen3Config, device=None, dtype=None):
         super().__init__()
         kw = dict(bias=False, device=device, dtype=dtype)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.gate_proj = HostLinear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = HostLinear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = HostLinear(cfg.intermediate_size, cfg.hidden_size, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -213,7 +214,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = HostLinear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)

@@ -1,0 +1,92 @@
+// The host linear layer: exact results on dyadic inputs (every product and sum representable), a row's result
+// independent of the rows beside it, both packed dtypes, ragged n, and refusals that name the value.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "check.h"
+#include "dpara_rt/host_linear.h"
+
+using namespace dpara_rt;
+using F = std::vector<float>;
+
+namespace {
+
+// Small multiples of 1/8: bfloat16-exact, and every FMA chain of a few hundred terms stays exact in float32.
+F dyadic(std::int64_t count, std::uint32_t seed) {
+  F out(count);
+  for (auto& v : out) {
+    seed = seed * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int>(seed >> 27) - 16) / 8.0f;
+  }
+  return out;
+}
+
+std::vector<std::uint8_t> pack(const F& w, std::int64_t n, std::int64_t k, DType dtype) {
+  std::vector<std::uint8_t> packed(host_linear_packed_elems(n, k) * dtype_size(dtype));
+  host_linear_pack(w.data(), n, k, packed.data(), dtype);
+  return packed;
+}
+
+void test_exact_against_the_definition() {
+  for (DType dtype : {DType::float32, DType::bfloat16}) {
+    for (std::int64_t n : {1, 31, 32, 77}) {
+      const std::int64_t k = 37, m = 13;  // m = 8 + 4 + 1: every tile height
+      const F w = dyadic(n * k, 7u + n), x = dyadic(m * k, 11u);
+      const auto packed = pack(w, n, k, dtype);
+      F y(m * n, NAN);
+      host_linear(x.data(), m, k, packed.data(), dtype, n, y.data());
+      bool exact = true;
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t c = 0; c < n; ++c) {
+          double ref = 0;
+          for (std::int64_t kk = 0; kk < k; ++kk) ref += double(x[i * k + kk]) * w[c * k + kk];
+          exact &= y[i * n + c] == static_cast<float>(ref);
+        }
+      CHECK(exact);
+    }
+  }
+}
+
+void test_a_row_does_not_depend_on_its_neighbours() {
+  // Inexact values (thirds), so a different summation order would show.
+  const std::int64_t n = 70, k = 300, m = 21;
+  F w(n * k), x(m * k);
+  for (std::int64_t i = 0; i < n * k; ++i) w[i] = static_cast<float>((i % 17) - 8) / 3.0f;
+  for (std::int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>((i * 7 % 23) - 11) / 3.0f;
+  const auto packed = pack(w, n, k, DType::float32);
+  F all(m * n), one(n);
+  host_linear(x.data(), m, k, packed.data(), DType::float32, n, all.data());
+  bool same = true;
+  for (std::int64_t i = 0; i < m; ++i) {
+    host_linear(x.data() + i * k, 1, k, packed.data(), DType::float32, n, one.data());
+    same &= std::memcmp(one.data(), all.data() + i * n, sizeof(float) * n) == 0;
+  }
+  CHECK(same);
+}
+
+void test_refusals() {
+  const F w{1.0f, 1.0f / 3.0f};  // 1/3 is not a bfloat16 value
+  std::vector<std::uint16_t> packed(host_linear_packed_elems(1, 2), 7);
+  CHECK_THROWS(host_linear_pack(w.data(), 1, 2, packed.data(), DType::bfloat16), std::invalid_argument,
+               "weight [0, 1]");
+  CHECK(packed[0] == 7);  // refused before writing
+  CHECK_THROWS(host_linear_pack(w.data(), 1, 2, packed.data(), DType::float16), std::invalid_argument,
+               "packed dtype float16");
+  CHECK_THROWS(host_linear_packed_elems(0, 2), std::invalid_argument, "n = 0");
+  float y = 0;
+  CHECK_THROWS(host_linear(w.data(), -1, 2, packed.data(), DType::float32, 1, &y), std::invalid_argument, "m = -1");
+  host_linear(w.data(), 0, 2, packed.data(), DType::float32, 1, &y);  // no rows: nothing written
+  CHECK(y == 0);
+}
+
+}  // namespace
+
+int main() {
+  test_exact_against_the_definition();
+  test_a_row_does_not_depend_on_its_neighbours();
+  test_refusals();
+  return check::finish("test_host_linear");
+}

@@ -1,0 +1,67 @@
+"""``HostLinear``: an ``nn.Linear`` whose float32 inference forward on the CPU runs the core's host linear layer.
+
+The target's projections are most of a verify on the host. torch's BLAS path runs a few-row float32 matmul far
+below the core's FMA peak, and a bf16 checkpoint loaded as float32 streams twice the bytes it needs.
+``_core.host_linear`` runs over weights packed once, kept as bfloat16 when that holds them exactly (the
+products and sums are still the float32 model's). Each output element is one FMA chain over the input
+features in order, so a token's projections are bit for bit the same whether it is verified among T tokens
+or decoded alone.
+
+Everything else falls back to ``F.linear``: autograd, other dtypes and devices, a bias. The packed copy
+follows the weight: it is repacked when the weight changes (in place, or a new tensor).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dpara_rt import _core
+
+__all__ = ["HostLinear", "pack_weight"]
+
+
+def pack_weight(weight: Tensor) -> tuple[Tensor, str]:
+    """(packed, dtype name) of a float32 CPU weight [N, K] for ``_core.host_linear``: bfloat16 panels when every
+    weight is a bfloat16 value, float32 panels otherwise."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_weight: weight {tuple(weight.shape)} {weight.dtype} on {weight.device}; "
+                         "expected a 2-D float32 CPU tensor [out_features, in_features]")
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    exact = bool(torch.equal(w, w.to(torch.bfloat16).float()))
+    dtype = "bfloat16" if exact else "float32"
+    packed = torch.empty(_core.host_linear_packed_elems(n, k), dtype=torch.int16 if exact else torch.float32)
+    _core.host_linear_pack(w.data_ptr(), n, k, packed.data_ptr(), dtype)
+    return packed, dtype
+
+
+class HostLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) with a native float32 inference path on the CPU."""
+
+    _packed: Tensor | None = None
+    _packed_dtype = ""
+    _packed_for: tuple = ()
+
+    def _native(self, x: Tensor) -> bool:
+        w = self.weight
+        return (self.bias is None and x.dtype == torch.float32 and w.dtype == torch.float32
+                and x.device.type == "cpu" and w.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self._native(x):
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.stride())
+        if key != self._packed_for:
+            self._packed, self._packed_dtype = pack_weight(w)
+            self._packed_for = key
+        n, k = w.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"HostLinear: input {tuple(x.shape)} has {x.shape[-1]} features; expected {k}")
+        rows = x.reshape(-1, k).contiguous()
+        y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        _core.host_linear(rows.data_ptr(), rows.shape[0], k, self._packed.data_ptr(), self._packed_dtype, n,
+                          y.data_ptr())
+        return y.view(*x.shape[:-1], n)

@@ -1,0 +1,93 @@
+"""HostLinear: the core's float32 host linear layer behind nn.Linear's interface (the target's projections)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpara_rt import _core
+from dpara_rt.models.host_linear import HostLinear, pack_weight
+
+
+def _layer(n: int, k: int, bf16_exact: bool, seed: int = 0) -> HostLinear:
+    layer = HostLinear(k, n, bias=False)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    with torch.no_grad():
+        layer.weight.copy_(w.bfloat16().float() if bf16_exact else w)
+    return layer
+
+
+@pytest.mark.parametrize("bf16_exact", [True, False])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (8, 256, 768), (13, 48, 33), (130, 96, 40)])
+def test_matches_f_linear(rows, k, n, bf16_exact):
+    layer = _layer(n, k, bf16_exact)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y = layer(x)
+    ref = F.linear(x.double(), layer.weight.double())
+    assert layer._packed_dtype == ("bfloat16" if bf16_exact else "float32")
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5 * k ** 0.5)
+
+
+def test_a_token_projects_the_same_verified_among_others_or_alone():
+    layer = _layer(200, 160, bf16_exact=True)
+    x = torch.randn(2, 8, 160, generator=torch.Generator().manual_seed(2))  # [B, T, K], as in a verify
+    with torch.no_grad():
+        block = layer(x)
+        alone = torch.stack([torch.cat([layer(x[b, t:t + 1]) for t in range(8)]) for b in range(2)])
+    assert block.shape == (2, 8, 200)
+    assert torch.equal(block, alone)
+
+
+def test_the_packed_copy_follows_the_weight():
+    layer = _layer(40, 32, bf16_exact=True)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2)  # in place
+        torch.testing.assert_close(layer(x), before * 2)
+        layer.weight = torch.nn.Parameter(torch.full((40, 32), 1 / 3))  # a new tensor, not bf16-exact
+        torch.testing.assert_close(layer(x), x.sum(-1, keepdim=True).expand(3, 40) / 3)
+    assert layer._packed_dtype == "float32"
+
+
+def test_autograd_and_other_dtypes_take_torch():
+    layer = _layer(24, 16, bf16_exact=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    layer(x).sum().backward()  # grad enabled: F.linear, so gradients flow
+    torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(4, 16))
+    assert layer._packed is None
+    with torch.no_grad():
+        y16 = layer.to(torch.bfloat16)(x.detach().bfloat16())
+    assert y16.dtype == torch.bfloat16 and layer._packed is None
+    assert list(layer.state_dict()) == ["weight"]
+
+
+def test_refusals_name_the_value():
+    with pytest.raises(ValueError, match=r"weight \(3,\) torch.float32 on cpu; expected a 2-D"):
+        pack_weight(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"weight \[0, 1\] = 0.333333 is not a bfloat16 value"):
+        w, packed = torch.tensor([[1.0, 1 / 3]]), torch.empty(64, dtype=torch.int16)
+        _core.host_linear_pack(w.data_ptr(), 1, 2, packed.data_ptr(), "bfloat16")
+    with pytest.raises(ValueError, match="packed dtype float16"):
+        _core.host_linear(0, 1, 2, 0, "float16", 1, 0)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"input \(2, 5\) has 5 features; expected 16"):
+        _layer(24, 16, bf16_exact=True)(torch.zeros(2, 5))
+
+
+def test_the_qwen3_target_projects_through_packed_bf16_weights():
+    from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())  # a bf16 checkpoint loaded as float32
+        ids = torch.tensor([[3, 9, 27, 5]])
+        logits, _ = model(ids, torch.arange(4)[None])
+    linears = [m for m in model.modules() if isinstance(m, HostLinear)]
+    assert len(linears) == 2 * 7 + 1
+    assert all(m._packed_dtype == "bfloat16" for m in linears)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    torch_logits, _ = model(ids, torch.arange(4)[None])  # grad enabled: every projection through F.linear
+    torch.testing.assert_close(logits, torch_logits.detach(), rtol=0, atol=1e-5)
