@@ -14,6 +14,7 @@
 #include "dpara_rt/build_info.h"
 #include "dpara_rt/dlpack.h"
 #include "dpara_rt/host_linear.h"
+#include "dpara_rt/host_qwen3.h"
 #include "dpara_rt/lane.h"
 #include "dpara_rt/markov_head.h"
 #include "dpara_rt/metrics.h"
@@ -479,6 +480,46 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
       py::arg("y_ptr"),
       "y [m, n] = x [m, k] @ W^T (float32, contiguous) over W packed by host_linear_pack; releases the GIL.");
+  // The weights' pointers stay valid while dpara_rt.models.host_qwen3 holds the tensors beside this object.
+  py::class_<HostQwen3Weights>(m, "HostQwen3Layer",
+                               "One Qwen3 decoder layer's packed weights and norms (pointers), for host_qwen3_layer.")
+      .def(py::init([](std::uintptr_t qkv, std::uintptr_t o, std::uintptr_t gate_up, std::uintptr_t down,
+                       const std::vector<std::string>& packed_dtypes, std::uintptr_t input_norm,
+                       std::uintptr_t post_norm, std::uintptr_t q_norm, std::uintptr_t k_norm) {
+             if (packed_dtypes.size() != 4)
+               throw std::invalid_argument("HostQwen3Layer: packed_dtypes has " + std::to_string(packed_dtypes.size()) +
+                                           " names; expected 4 (qkv, o, gate_up, down)");
+             HostQwen3Weights w;
+             const std::uintptr_t ptrs[4] = {qkv, o, gate_up, down};
+             HostPackedLinear* lins[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
+             for (int i = 0; i < 4; ++i) *lins[i] = {reinterpret_cast<const void*>(ptrs[i]), parse_dtype(packed_dtypes[i])};
+             w.input_norm = reinterpret_cast<const float*>(input_norm);
+             w.post_norm = reinterpret_cast<const float*>(post_norm);
+             w.q_norm = reinterpret_cast<const float*>(q_norm);
+             w.k_norm = reinterpret_cast<const float*>(k_norm);
+             return w;
+           }),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("packed_dtypes"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"))
+      .def("forward", [](const HostQwen3Weights& w, std::int64_t hidden, std::int64_t heads, std::int64_t kv_heads,
+                         std::int64_t head_dim, std::int64_t intermediate, double eps, std::uintptr_t h,
+                         std::int64_t batch, std::int64_t t, std::uintptr_t positions, std::uintptr_t cos,
+                         std::uintptr_t sin, std::uintptr_t k_cache, std::uintptr_t v_cache, std::int64_t row_stride,
+                         std::int64_t head_stride, std::int64_t max_len) {
+             const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
+             const HostKVLayer cache{reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache), row_stride,
+                                     head_stride, max_len};
+             py::gil_scoped_release nogil;
+             host_qwen3_layer(dims, w, reinterpret_cast<float*>(h), batch, t,
+                              reinterpret_cast<const std::int64_t*>(positions), reinterpret_cast<const float*>(cos),
+                              reinterpret_cast<const float*>(sin), cache);
+           },
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("h"), py::arg("batch"), py::arg("t"), py::arg("positions"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("row_stride"), py::arg("head_stride"),
+           py::arg("max_len"),
+           "h [batch * t, hidden] float32 updated in place by the layer; positions [batch, t] int64; cos / sin "
+           "[batch * t, head_dim]; the layer's K/V cache with the given strides (elements). Releases the GIL.");
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
   // Buffers as data_ptr() integers (numpy views would cost more than the work at small batch): dpara_rt.native

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
+from dpara_rt.models import host_qwen3
 from dpara_rt.models.host_linear import HostLinear
 from dpara_rt.models.kv_cache import KVCache
 
@@ -218,6 +219,7 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self._host = None  # host_qwen3.HostQwen3, made on the first native forward
         self.reset_rope()
 
     def reset_rope(self):
@@ -275,17 +277,20 @@ class Qwen3ForCausalLM(nn.Module):
             key_pos = torch.arange(kv_len, device=positions.device).expand(B, kv_len)
         else:
             key_pos = positions
-        G = self.config.num_kv_groups
-        # One boolean mask for all layers; rows are (group, query) pairs to match the GQA reshape.
-        q_pos = positions.repeat(1, G)
-        mask = (key_pos[:, None, :] <= q_pos[:, :, None]).unsqueeze(1)
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
         wanted = {i: None for i in layer_ids}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, positions, cache, i, kv_len)
-            if i in wanted:
-                wanted[i] = h
+        if host_qwen3.usable(self, h, cache):
+            h = self._host_layers(h, positions, cos, sin, cache, wanted)
+        else:
+            G = self.config.num_kv_groups
+            # One boolean mask for all layers; rows are (group, query) pairs to match the GQA reshape.
+            q_pos = positions.repeat(1, G)
+            mask = (key_pos[:, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, mask, positions, cache, i, kv_len)
+                if i in wanted:
+                    wanted[i] = h
         h = self.norm(h)
         # Features are transformers' hidden_states[i + 1], whose last entry is taken after the final norm.
         if n_layers - 1 in wanted:
@@ -294,3 +299,18 @@ class Qwen3ForCausalLM(nn.Module):
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index.to(h.device)].unsqueeze(1)
         return self.lm_head(h).float(), features
+
+    def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
+                     wanted: dict) -> Tensor:
+        """The decoder layers as native calls (models/host_qwen3.py), h updated in place; captured layers copied."""
+        if self._host is None:
+            self._host = host_qwen3.HostQwen3()
+        B, T, H = h.shape
+        flat = h.reshape(B * T, H).contiguous()
+        positions = positions.to(torch.long).contiguous()
+        cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            self._host.run(i, layer, self.config, flat, positions, cos, sin, cache)
+            if i in wanted:
+                wanted[i] = flat.view(B, T, H).clone()
+        return flat.view(B, T, H)

@@ -1,0 +1,55 @@
+#pragma once
+// One Qwen3 decoder layer of a float32 target on the host, in one call: the target's verify and decode steps
+// run as 8-odd native calls instead of ~60 small torch operators per layer.
+//
+// Same maths as dpara_rt.models.qwen3 (transformers' Qwen3): h += o(attn(rope(q_norm(q)), rope(k_norm(k)), v))
+// over the pre-norm input, then h += down(silu(gate(x)) * up(x)) over the post-attention norm. Every step works
+// on one row (token) at a time in a fixed order, and the projections are host_linear's FMA chains, so a token's
+// layer output does not depend on the other tokens of the call: verifying T tokens gives each the values that
+// decoding it alone would.
+#include <cstdint>
+
+#include "dpara_rt/types.h"
+
+namespace dpara_rt {
+
+struct HostQwen3Dims {
+  std::int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
+  float eps = 1e-6f;
+};
+
+// A weight packed by host_linear_pack.
+struct HostPackedLinear {
+  const void* data = nullptr;
+  DType dtype = DType::float32;
+};
+
+struct HostQwen3Weights {
+  HostPackedLinear qkv;      // [(heads + 2 kv_heads) head_dim, hidden]: q_proj, k_proj, v_proj rows stacked
+  HostPackedLinear o;        // [hidden, heads head_dim]
+  HostPackedLinear gate_up;  // [2 intermediate, hidden]: gate_proj rows, then up_proj rows
+  HostPackedLinear down;     // [hidden, intermediate]
+  const float* input_norm = nullptr;  // [hidden]
+  const float* post_norm = nullptr;   // [hidden]
+  const float* q_norm = nullptr;      // [head_dim]
+  const float* k_norm = nullptr;      // [head_dim]
+};
+
+// One layer's KV cache: element (row b, kv head g, slot s, i) at k[b * row_stride + g * head_stride + s * head_dim
+// + i] (likewise v), slots 0..max_len-1.
+struct HostKVLayer {
+  float* k = nullptr;
+  float* v = nullptr;
+  std::int64_t row_stride = 0, head_stride = 0, max_len = 0;
+};
+
+// h [batch * t, hidden] (row-major, updated in place) at positions [batch, t] (distinct within a row, each in
+// [0, max_len)); cos / sin [batch * t, head_dim] the RoPE tables of those positions. Writes each token's K/V at
+// its position of its cache row, then token (b, j) attends to slots 0..positions[b, j] of row b (the caller
+// keeps the slots below a row's first position committed). std::invalid_argument names a bad extent or
+// position before anything is written. One thread; scratch is allocated per call.
+void host_qwen3_layer(const HostQwen3Dims& dims, const HostQwen3Weights& w, float* h, std::int64_t batch,
+                      std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                      const HostKVLayer& cache);
+
+}  // namespace dpara_rt

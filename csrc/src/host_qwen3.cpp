@@ -1,0 +1,241 @@
+// One Qwen3 decoder layer on the host (see dpara_rt/host_qwen3.h): projections through host_linear, and the
+// per-token work between them (norms, RoPE, the KV write, attention, SiLU) as vectorised loops over one row.
+#include "dpara_rt/host_qwen3.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "dpara_rt/host_linear.h"
+#include "markov_head_math.h"  // exp_nonpositive, DPARA_RT_HOT / DPARA_RT_INLINE
+#include "util.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"  // F8 only crosses always_inline helpers
+
+namespace dpara_rt {
+namespace {
+
+typedef float F8 __attribute__((vector_size(32)));
+
+DPARA_RT_INLINE F8 load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+DPARA_RT_INLINE void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
+
+// Sum of a[i] * b[i] in a fixed order: eight lanes, a fixed tree, then the tail.
+DPARA_RT_INLINE float dot(const float* a, const float* b, std::int64_t n) {
+  F8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out = w * (x * rsqrt(mean(x^2) + eps)), the float32 RMSNorm of models/qwen3.py.
+DPARA_RT_INLINE void rms_norm(const float* x, const float* w, std::int64_t n, float eps, float* out) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+DPARA_RT_HOT void norm_rows(const float* x, const float* w, std::int64_t rows, std::int64_t n, float eps,
+                            float* out) {
+  for (std::int64_t r = 0; r < rows; ++r) rms_norm(x + r * n, w, n, eps, out + r * n);
+}
+
+// In place on one head: RMSNorm, then RoPE (x * cos + rotate_half(x) * sin).
+DPARA_RT_INLINE void norm_rope(float* x, const float* w, std::int64_t d, float eps, const float* cos,
+                               const float* sin, float* tmp) {
+  rms_norm(x, w, d, eps, tmp);
+  const std::int64_t half = d / 2;
+  for (std::int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + (-tmp[i + half]) * sin[i];
+  for (std::int64_t i = half; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+// qkv rows [rows, (heads + 2 kv) d]: q and k heads normed and rotated in place, then K/V stored in the cache.
+DPARA_RT_HOT void qk_rope_store(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* qkv, std::int64_t batch,
+                                std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                                const HostKVLayer& cache) {
+  const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d;
+  std::vector<float> tmp(d);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t j = 0; j < t; ++j) {
+      const std::int64_t row = b * t + j;
+      float* q = qkv + row * width;
+      float* k = q + dm.heads * d;
+      const float* v = k + dm.kv_heads * d;
+      for (std::int64_t hh = 0; hh < dm.heads; ++hh)
+        norm_rope(q + hh * d, w.q_norm, d, dm.eps, cos + row * d, sin + row * d, tmp.data());
+      for (std::int64_t g = 0; g < dm.kv_heads; ++g) {
+        norm_rope(k + g * d, w.k_norm, d, dm.eps, cos + row * d, sin + row * d, tmp.data());
+        const std::int64_t slot = b * cache.row_stride + g * cache.head_stride + positions[row] * d;
+        std::memcpy(cache.k + slot, k + g * d, sizeof(float) * d);
+        std::memcpy(cache.v + slot, v + g * d, sizeof(float) * d);
+      }
+    }
+}
+
+DPARA_RT_INLINE float lane_sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// scores[s] = q . k_s * scale for s < keys. Four keys at a time: independent FMA chains, each key's sum the same
+// as dot()'s, so a score does not depend on its neighbours.
+DPARA_RT_INLINE void attention_scores(const float* q, const float* k, std::int64_t keys, std::int64_t d,
+                                      float scale, float* scores) {
+  std::int64_t s = 0;
+  if (d % 8 == 0) {
+    for (; s + 4 <= keys; s += 4) {
+      const float* k0 = k + s * d;
+      F8 a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
+      for (std::int64_t i = 0; i < d; i += 8) {
+        const F8 qv = load8(q + i);
+        a0 += qv * load8(k0 + i);
+        a1 += qv * load8(k0 + d + i);
+        a2 += qv * load8(k0 + 2 * d + i);
+        a3 += qv * load8(k0 + 3 * d + i);
+      }
+      scores[s] = lane_sum(a0) * scale;
+      scores[s + 1] = lane_sum(a1) * scale;
+      scores[s + 2] = lane_sum(a2) * scale;
+      scores[s + 3] = lane_sum(a3) * scale;
+    }
+  }
+  for (; s < keys; ++s) scores[s] = dot(q, k + s * d, d) * scale;
+}
+
+// softmax(scores[0..keys)) in place; returns nothing: the weights are left unnormalised and their sum returned.
+DPARA_RT_INLINE float softmax_unnormalised(float* scores, std::int64_t keys) {
+  F8 top8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  std::int64_t s = 0;
+  for (; s + 8 <= keys; s += 8) {
+    const F8 v = load8(scores + s);
+    top8 = v > top8 ? v : top8;
+  }
+  float top = std::max(std::max(std::max(top8[0], top8[1]), std::max(top8[2], top8[3])),
+                       std::max(std::max(top8[4], top8[5]), std::max(top8[6], top8[7])));
+  for (; s < keys; ++s) top = std::max(top, scores[s]);
+  for (s = 0; s < keys; ++s) scores[s] = exp_nonpositive(scores[s] - top);
+  F8 sum8 = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (s = 0; s + 8 <= keys; s += 8) sum8 += load8(scores + s);
+  float total = lane_sum(sum8);
+  for (; s < keys; ++s) total += scores[s];
+  return total;
+}
+
+// o[0..d) = sum_s p[s] v_s / total, 64 outputs at a time held in registers across the keys.
+DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64_t keys, std::int64_t d,
+                                      float total, float* o) {
+  const float inv = 1.0f / total;
+  std::int64_t i0 = 0;
+  if (d % 8 == 0) {
+    for (; i0 < d; i0 += 64) {
+      const int chunks = static_cast<int>(std::min<std::int64_t>(64, d - i0) / 8);
+      F8 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = F8{0, 0, 0, 0, 0, 0, 0, 0};
+      for (std::int64_t s = 0; s < keys; ++s) {
+        const float* vs = v + s * d + i0;
+        for (int c = 0; c < chunks; ++c) acc[c] += p[s] * load8(vs + 8 * c);
+      }
+      for (int c = 0; c < chunks; ++c) store8(o + i0 + 8 * c, acc[c] * inv);
+    }
+    return;
+  }
+  for (std::int64_t i = 0; i < d; ++i) {
+    float acc = 0;
+    for (std::int64_t s = 0; s < keys; ++s) acc += p[s] * v[s * d + i];
+    o[i] = acc * inv;
+  }
+}
+
+// out [rows, heads d]: token (b, j), head hh attends to slots 0..positions[b, j] of its KV head.
+DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
+                            const std::int64_t* positions, const HostKVLayer& cache, float* out) {
+  const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  std::vector<float> scores(static_cast<std::size_t>(cache.max_len));
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t j = 0; j < t; ++j) {
+      const std::int64_t row = b * t + j, keys = positions[row] + 1;
+      for (std::int64_t hh = 0; hh < dm.heads; ++hh) {
+        const std::int64_t base = b * cache.row_stride + (hh / group) * cache.head_stride;
+        attention_scores(qkv + row * width + hh * d, cache.k + base, keys, d, scale, scores.data());
+        const float total = softmax_unnormalised(scores.data(), keys);
+        attention_values(scores.data(), cache.v + base, keys, d, total, out + row * dm.heads * d + hh * d);
+      }
+    }
+}
+
+// gu rows [rows, 2 n] (gate, up) -> act [rows, n] = silu(gate) * up, silu(x) = x * sigmoid(x).
+DPARA_RT_HOT void silu_mul(const float* gu, std::int64_t rows, std::int64_t n, float* act) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * n;
+    const float* u = g + n;
+    float* a = act + r * n;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float x = g[i], e = exp_nonpositive(-std::fabs(x));  // exp(-|x|): no overflow either way
+      const float sigmoid = x >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
+      a[i] = x * sigmoid * u[i];
+    }
+  }
+}
+
+DPARA_RT_HOT void add_rows(float* h, const float* x, std::int64_t elems) {
+  for (std::int64_t i = 0; i < elems; ++i) h[i] += x[i];
+}
+
+void check(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h, std::int64_t batch, std::int64_t t,
+           const std::int64_t* positions, const float* cos, const float* sin, const HostKVLayer& cache) {
+  constexpr const char* kWhat = "host_qwen3_layer";
+  if (dm.hidden < 1 || dm.heads < 1 || dm.kv_heads < 1 || dm.head_dim < 2 || dm.head_dim % 2 ||
+      dm.intermediate < 1 || dm.heads % dm.kv_heads || !(dm.eps > 0))
+    detail::value_error(kWhat, ": dims hidden ", dm.hidden, ", heads ", dm.heads, ", kv_heads ", dm.kv_heads,
+                        ", head_dim ", dm.head_dim, ", intermediate ", dm.intermediate, ", eps ", dm.eps,
+                        "; expected positive extents, an even head_dim, heads a multiple of kv_heads, eps > 0");
+  if (batch < 0 || t < 0) detail::value_error(kWhat, ": batch ", batch, " and t ", t, " must be >= 0");
+  if (!w.qkv.data || !w.o.data || !w.gate_up.data || !w.down.data || !w.input_norm || !w.post_norm ||
+      !w.q_norm || !w.k_norm)
+    detail::value_error(kWhat, ": a weight pointer is null");
+  if (batch * t && (!h || !positions || !cos || !sin || !cache.k || !cache.v))
+    detail::value_error(kWhat, ": h, positions, cos, sin and the cache must be non-null");
+  if (cache.max_len < 1 || cache.head_stride < cache.max_len * dm.head_dim ||
+      cache.row_stride < dm.kv_heads * cache.head_stride)
+    detail::value_error(kWhat, ": cache max_len ", cache.max_len, ", head_stride ", cache.head_stride,
+                        ", row_stride ", cache.row_stride, " do not hold ", dm.kv_heads, " heads of max_len x ",
+                        dm.head_dim);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t j = 0; j < t; ++j) {
+      const std::int64_t p = positions[b * t + j];
+      if (p < 0 || p >= cache.max_len)
+        detail::value_error(kWhat, ": positions[", b, ", ", j, "] = ", p, ", expected 0..", cache.max_len - 1);
+    }
+}
+
+}  // namespace
+
+void host_qwen3_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
+                      std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                      const HostKVLayer& cache) {
+  check(dm, w, h, batch, t, positions, cos, sin, cache);
+  const std::int64_t rows = batch * t, hd = dm.hidden, qd = dm.heads * dm.head_dim;
+  const std::int64_t width = qd + 2 * dm.kv_heads * dm.head_dim;
+  if (!rows) return;
+  std::vector<float> xn(rows * hd), qkv(rows * width), attn(rows * qd), proj(rows * hd),
+      gu(rows * 2 * dm.intermediate), act(rows * dm.intermediate);
+
+  norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.data());
+  host_linear(xn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.data());
+  qk_rope_store(dm, w, qkv.data(), batch, t, positions, cos, sin, cache);
+  attention(dm, qkv.data(), batch, t, positions, cache, attn.data());
+  host_linear(attn.data(), rows, qd, w.o.data, w.o.dtype, hd, proj.data());
+  add_rows(h, proj.data(), rows * hd);
+
+  norm_rows(h, w.post_norm, rows, hd, dm.eps, xn.data());
+  host_linear(xn.data(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * dm.intermediate, gu.data());
+  silu_mul(gu.data(), rows, dm.intermediate, act.data());
+  host_linear(act.data(), rows, dm.intermediate, w.down.data, w.down.dtype, hd, proj.data());
+  add_rows(h, proj.data(), rows * hd);
+}
+
+}  // namespace dpara_rt

@@ -1,0 +1,76 @@
+"""The native host path of a float32 Qwen3 target: each decoder layer is one ``_core.HostQwen3Layer`` call.
+
+On the host a verify of a few tokens is mostly fixed cost: about sixty small torch operators per layer (norms,
+RoPE, the KV write, masks, attention, SiLU) cost more than the arithmetic. The core runs the whole layer in
+one call over weights packed once (``host_linear``: bf16 panels when they hold the weights exactly), one token
+at a time in a fixed order, so verifying T tokens gives each token the values that decoding it alone would.
+
+``Qwen3ForCausalLM.forward`` uses it for float32 CPU inference with a KV cache; training, other dtypes and
+devices keep the torch path. The packed copies follow the parameters: a layer is repacked when any of its
+weights changes (in place, or a new tensor).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dpara_rt import _core
+from dpara_rt.models.host_linear import pack_weight
+
+__all__ = ["HostQwen3", "usable"]
+
+
+def usable(model: nn.Module, h: Tensor, cache) -> bool:
+    """Whether this forward can take the native layers: float32 on the CPU, a KV cache, nothing to train."""
+    return (cache is not None and h.dtype == torch.float32 and h.device.type == "cpu"
+            and cache.k.dtype == torch.float32 and cache.k.stride(-1) == 1
+            and cache.k.stride(-2) == cache.k.shape[-1]
+            and not (torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())))
+
+
+class _PackedLayer:
+    """One layer's packed projections and norm weights, and the core object pointing at them."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.tensors = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                        mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        attn.q_norm.weight, attn.k_norm.weight]
+        self.key = _key(self.tensors)
+        q, k, v, o, gate, up, down = (t.detach() for t in self.tensors[:7])
+        packs = [pack_weight(torch.cat([q, k, v])), pack_weight(o), pack_weight(torch.cat([gate, up])),
+                 pack_weight(down)]
+        self.norms = [t.detach().contiguous() for t in self.tensors[7:]]
+        self.packed = [p for p, _ in packs]
+        self.core = _core.HostQwen3Layer(*(p.data_ptr() for p in self.packed), [dt for _, dt in packs],
+                                         *(n.data_ptr() for n in self.norms))
+
+
+def _key(tensors) -> tuple:
+    return tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in tensors)
+
+
+class HostQwen3:
+    """The native layers of one ``Qwen3ForCausalLM``, packed on first use."""
+
+    def __init__(self):
+        self._layers: dict[int, _PackedLayer] = {}
+
+    def packed(self, i: int, layer: nn.Module) -> _PackedLayer:
+        got = self._layers.get(i)
+        if got is None or got.key != _key(got.tensors) or got.tensors[0] is not layer.self_attn.q_proj.weight:
+            got = self._layers[i] = _PackedLayer(layer)
+        return got
+
+    def run(self, i: int, layer: nn.Module, cfg, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+            cache) -> None:
+        """Layer i over h [B * T, H] (float32, contiguous, updated in place) at positions [B, T] (int64,
+        contiguous); cos / sin [B * T, head_dim]."""
+        packed = self.packed(i, layer)
+        B, T = positions.shape
+        k, v = cache.k[i], cache.v[i]  # [rows, kv_heads, max_len, head_dim]
+        packed.core.forward(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                            cfg.intermediate_size, cfg.rms_norm_eps, h.data_ptr(), B, T, positions.data_ptr(),
+                            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                            k.shape[2])
