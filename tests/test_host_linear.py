@@ -60,6 +60,10 @@ def test_autograd_and_other_dtypes_take_torch():
         y16 = layer.to(torch.bfloat16)(x.detach().bfloat16())
     assert y16.dtype == torch.bfloat16 and layer._packed is None
     assert list(layer.state_dict()) == ["weight"]
+    with torch.no_grad():
+        layer.float()(x.detach())  # packed now: the packed copy is no parameter or buffer
+    assert layer._packed is not None and list(layer.state_dict()) == ["weight"]
+    assert [name for name, _ in layer.named_parameters()] == ["weight"]
 
 
 def test_refusals_name_the_value():

@@ -75,6 +75,19 @@ def test_repacks_when_a_weight_changes(monkeypatch):
     torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_a_replaced_parameter_is_repacked_and_copies_pack_their_own(monkeypatch):
+    import copy
+    model = _model(bf16_weights=True)
+    _decode(model, monkeypatch, native=True)
+    layer = model.layers[2].mlp
+    layer.down_proj.weight = torch.nn.Parameter(layer.down_proj.weight.detach() * 0.5)  # a new tensor
+    after = _decode(model, monkeypatch, native=True)
+    torch.testing.assert_close(after[2], _decode(model, monkeypatch, native=False)[2], rtol=1e-5, atol=1e-5)
+    twin = copy.deepcopy(model)  # the core objects hold raw pointers: the copy starts without them
+    assert twin._host is not None and twin._host._layers == {}
+    assert all(torch.equal(a, b) for a, b in zip(_decode(twin, monkeypatch, native=True), after))
+
+
 def test_training_takes_the_torch_path():
     model = _model(bf16_weights=True).train()
     from dpara_rt.models.kv_cache import KVCache

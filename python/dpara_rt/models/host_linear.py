@@ -18,7 +18,25 @@ from torch import Tensor, nn
 
 from dpara_rt import _core
 
-__all__ = ["HostLinear", "pack_weight"]
+__all__ = ["HostLinear", "pack_weight", "registrations"]
+
+_registrations = 0
+
+
+def _count_registration(*_):
+    global _registrations
+    _registrations += 1
+
+
+# Any parameter or submodule (re)assigned anywhere bumps the count: a packed copy whose count is unchanged need
+# only check its own tensors' storage and version, not walk the modules again (a verify is ~1 ms here).
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+def registrations() -> int:
+    """How many parameters and submodules have been registered in this process so far."""
+    return _registrations
 
 
 def pack_weight(weight: Tensor) -> tuple[Tensor, str]:
@@ -41,6 +59,8 @@ class HostLinear(nn.Linear):
 
     _packed: Tensor | None = None
     _packed_dtype = ""
+    # (weight, its data_ptr, its version) when packed; the weight is held so that its identity is not reused.
+    # A tuple: a Parameter assigned to a module attribute would become a parameter of the module.
     _packed_for: tuple = ()
 
     def _native(self, x: Tensor) -> bool:
@@ -53,10 +73,10 @@ class HostLinear(nn.Linear):
         if not self._native(x):
             return F.linear(x, self.weight, self.bias)
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.stride())
-        if key != self._packed_for:
+        src = self._packed_for
+        if not src or src[0] is not w or src[1] != w.data_ptr() or src[2] != w._version:
             self._packed, self._packed_dtype = pack_weight(w)
-            self._packed_for = key
+            self._packed_for = (w, w.data_ptr(), w._version)
         n, k = w.shape
         if x.shape[-1] != k:
             raise ValueError(f"HostLinear: input {tuple(x.shape)} has {x.shape[-1]} features; expected {k}")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dpara_rt import _core
-from dpara_rt.models.host_linear import pack_weight
+from dpara_rt.models.host_linear import pack_weight, registrations
 
 __all__ = ["HostQwen3", "usable"]
 
@@ -28,39 +28,60 @@ def usable(model: nn.Module, h: Tensor, cache) -> bool:
             and not (torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())))
 
 
-class _PackedLayer:
-    """One layer's packed projections and norm weights, and the core object pointing at them."""
+def _layer_tensors(layer: nn.Module) -> list[Tensor]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.q_norm.weight, attn.k_norm.weight]
 
-    def __init__(self, layer: nn.Module):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.tensors = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                        mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        attn.q_norm.weight, attn.k_norm.weight]
-        self.key = _key(self.tensors)
-        q, k, v, o, gate, up, down = (t.detach() for t in self.tensors[:7])
+
+def _versions(tensors) -> list[tuple[int, int]]:
+    return [(t.data_ptr(), t._version) for t in tensors]
+
+
+class _PackedLayer:
+    """One layer's packed projections and norm weights, and the core object pointing at them. It holds the
+    parameters it was packed from, so their identity, storage and version say whether it is still current."""
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors, self.versions, self.registrations = tensors, _versions(tensors), registrations()
+        q, k, v, o, gate, up, down = (t.detach() for t in tensors[:7])
         packs = [pack_weight(torch.cat([q, k, v])), pack_weight(o), pack_weight(torch.cat([gate, up])),
                  pack_weight(down)]
-        self.norms = [t.detach().contiguous() for t in self.tensors[7:]]
+        self.norms = [t.detach().contiguous() for t in tensors[7:]]
         self.packed = [p for p, _ in packs]
         self.core = _core.HostQwen3Layer(*(p.data_ptr() for p in self.packed), [dt for _, dt in packs],
                                          *(n.data_ptr() for n in self.norms))
 
+    def unchanged(self) -> bool:
+        """Nothing registered since packing (no parameter or module replaced) and the same storage and versions."""
+        return self.registrations == registrations() and self.versions == _versions(self.tensors)
 
-def _key(tensors) -> tuple:
-    return tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in tensors)
+    def current(self, tensors: list[Tensor]) -> bool:
+        return all(a is b for a, b in zip(self.tensors, tensors)) and self.versions == _versions(tensors)
 
 
 class HostQwen3:
-    """The native layers of one ``Qwen3ForCausalLM``, packed on first use."""
+    """The native layers of one ``Qwen3ForCausalLM``, packed on first use. Copies and pickles of the model
+    start without them (the core objects hold raw pointers) and pack again when first used."""
 
     def __init__(self):
         self._layers: dict[int, _PackedLayer] = {}
 
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self._layers = {}
+
     def packed(self, i: int, layer: nn.Module) -> _PackedLayer:
         got = self._layers.get(i)
-        if got is None or got.key != _key(got.tensors) or got.tensors[0] is not layer.self_attn.q_proj.weight:
-            got = self._layers[i] = _PackedLayer(layer)
+        if got is not None and got.unchanged():
+            return got
+        tensors = _layer_tensors(layer)  # something was registered somewhere: walk this layer's modules
+        if got is None or not got.current(tensors):
+            got = self._layers[i] = _PackedLayer(tensors)
+        got.registrations = registrations()
         return got
 
     def run(self, i: int, layer: nn.Module, cfg, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,

@@ -274,9 +274,6 @@ class Qwen3ForCausalLM(nn.Module):
             kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
             if kv_len > cache.max_len:
                 raise ValueError(f"position {kv_len - 1} is past the KV cache's max_len {cache.max_len}")
-            key_pos = torch.arange(kv_len, device=positions.device).expand(B, kv_len)
-        else:
-            key_pos = positions
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
         wanted = {i: None for i in layer_ids}
@@ -284,6 +281,7 @@ class Qwen3ForCausalLM(nn.Module):
             h = self._host_layers(h, positions, cos, sin, cache, wanted)
         else:
             G = self.config.num_kv_groups
+            key_pos = positions if cache is None else torch.arange(kv_len, device=positions.device).expand(B, kv_len)
             # One boolean mask for all layers; rows are (group, query) pairs to match the GQA reshape.
             q_pos = positions.repeat(1, G)
             mask = (key_pos[:, None, :] <= q_pos[:, :, None]).unsqueeze(1)
