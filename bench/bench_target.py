@@ -1,9 +1,11 @@
-"""CPU timings of the target: one decode step, a verify over 8 tokens, and prefill, at several batch sizes.
+"""CPU timings of the target: one decode step, a verify over 8 tokens, and prefill, at several batch sizes,
+on the native host path (models/host_qwen3.py, host_linear.py) and on the torch path, side by side.
 
 t_verify8 / t_step bounds what speculation can gain: a round that commits tau tokens costs about
-t_verify8 where autoregressive decoding would spend tau * t_step.
+t_verify8 where autoregressive decoding would spend tau * t_step. The weights are bf16 values held in float32
+(what loading a bf16 checkpoint in float32 gives; --weights fp32 for arbitrary float32 weights).
 
-    python bench/bench_target.py --out bench_target.json
+    python bench/bench_target.py --out bench_target.json [--paths native,torch] [--weights bf16|fp32]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 
 import torch
 
+from dpara_rt.models.host_linear import native_target
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from dpara_rt.models.target import Target
 
@@ -22,9 +25,16 @@ BENCH_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num
                     max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-def random_model(seed: int) -> Qwen3ForCausalLM:
+PATHS = ("native", "torch")
+
+
+def random_model(seed: int, bf16_values: bool = True) -> Qwen3ForCausalLM:
     model = Qwen3ForCausalLM(Qwen3Config(**BENCH_CONFIG))
     model.init_weights(std=0.05, generator=torch.Generator().manual_seed(seed))
+    if bf16_values:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
     return model.eval()
 
 
@@ -63,21 +73,37 @@ def main(argv=None):
     ap.add_argument("--verify-len", type=int, default=8, help="tokens per verify block (d + 1)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: native, torch")
+    ap.add_argument("--weights", choices=("bf16", "fp32"), default="bf16",
+                    help="bf16: bf16 values in float32 (a bf16 checkpoint); fp32: arbitrary float32 weights")
     args = ap.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    bad = [p for p in paths if p not in PATHS]
+    if bad or not paths:
+        raise SystemExit(f"--paths {args.paths!r}: expected a comma-separated subset of {','.join(PATHS)}")
     torch.set_num_threads(args.threads)
-    model = random_model(0)
+    model = random_model(0, bf16_values=args.weights == "bf16")
     layer_ids = [1, 2]  # feature capture on, as in speculation
-    records = [bench_batch(model, b, args.prompt_len, args.verify_len, layer_ids, args.reps) for b in args.batches]
+    records = []
+    for b in args.batches:  # both paths per batch size, back to back: a drift in machine speed hits both
+        for path in paths:
+            before = native_target(path == "native")
+            try:
+                records.append({"path": path, **bench_batch(model, b, args.prompt_len, args.verify_len, layer_ids,
+                                                             args.reps)})
+            finally:
+                native_target(before)
     meta = {"config": BENCH_CONFIG, "prompt_len": args.prompt_len, "verify_len": args.verify_len,
             "layer_ids": layer_ids, "threads": args.threads, "reps": args.reps, "dtype": "float32",
-            "device": "cpu", "torch": torch.__version__}
+            "weights": args.weights, "device": "cpu", "torch": torch.__version__}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "records": [{**r, **{"config": BENCH_CONFIG}} for r in records]}, f, indent=2)
-    print(f"target bench: {json.dumps(BENCH_CONFIG)}; prompt {args.prompt_len}, threads {args.threads}")
-    print(f"{'batch':>5} {'t_step_ms':>10} {'t_verify8_ms':>13} {'t_prefill_ms':>13} {'verify/step':>12}")
+    print(f"target bench: {json.dumps(BENCH_CONFIG)}; prompt {args.prompt_len}, threads {args.threads}, "
+          f"{args.weights} weights")
+    print(f"{'path':>6} {'batch':>5} {'t_step_ms':>10} {'t_verify8_ms':>13} {'t_prefill_ms':>13} {'verify/step':>12}")
     for r in records:
-        print(f"{r['batch']:>5} {r['t_step_ms']:>10.3f} {r['t_verify8_ms']:>13.3f} {r['t_prefill_ms']:>13.3f} "
-              f"{r['verify_over_step']:>12.2f}")
+        print(f"{r['path']:>6} {r['batch']:>5} {r['t_step_ms']:>10.3f} {r['t_verify8_ms']:>13.3f} "
+              f"{r['t_prefill_ms']:>13.3f} {r['verify_over_step']:>12.2f}")
 
 
 if __name__ == "__main__":

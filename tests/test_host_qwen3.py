@@ -88,6 +88,23 @@ def test_a_replaced_parameter_is_repacked_and_copies_pack_their_own(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(_decode(twin, monkeypatch, native=True), after))
 
 
+def test_the_native_target_can_be_turned_off(monkeypatch):
+    from dpara_rt.models.host_linear import native_target
+    model = _model(bf16_weights=True)
+    before = native_target(False)
+    try:
+        off = _decode(model, monkeypatch, native=True)
+        assert model._host is None and model.lm_head._packed is None
+    finally:
+        native_target(before)
+    on = _decode(model, monkeypatch, native=True)
+    assert model._host is not None
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"native_target\(enabled='no'\)"):
+        native_target("no")
+
+
 def test_training_takes_the_torch_path():
     model = _model(bf16_weights=True).train()
     from dpara_rt.models.kv_cache import KVCache

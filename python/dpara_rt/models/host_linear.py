@@ -8,9 +8,13 @@ features in order, so a token's projections are bit for bit the same whether it 
 or decoded alone.
 
 Everything else falls back to ``F.linear``: autograd, other dtypes and devices, a bias. The packed copy
-follows the weight: it is repacked when the weight changes (in place, or a new tensor).
+follows the weight: it is repacked when the weight changes (in place, or a new tensor). ``native_target(False)``
+(or ``DPARA_RT_NATIVE_TARGET=0`` in the environment) turns the native target paths off, here and in
+``host_qwen3``: for comparing against torch, or bisecting a numerical question.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +22,22 @@ from torch import Tensor, nn
 
 from dpara_rt import _core
 
-__all__ = ["HostLinear", "pack_weight", "registrations"]
+__all__ = ["HostLinear", "native_target", "pack_weight", "registrations"]
 
 _registrations = 0
+_native_enabled = os.environ.get("DPARA_RT_NATIVE_TARGET", "1") != "0"
+
+
+def native_target(enabled: bool | None = None) -> bool:
+    """Whether float32 CPU inference takes the native target paths (HostLinear, host_qwen3); set it with
+    ``enabled``. Returns the setting in force before the call."""
+    global _native_enabled
+    before = _native_enabled
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"native_target(enabled={enabled!r}): expected True, False or None")
+        _native_enabled = enabled
+    return before
 
 
 def _count_registration(*_):
@@ -65,7 +82,7 @@ class HostLinear(nn.Linear):
 
     def _native(self, x: Tensor) -> bool:
         w = self.weight
-        return (self.bias is None and x.dtype == torch.float32 and w.dtype == torch.float32
+        return (_native_enabled and self.bias is None and x.dtype == torch.float32 and w.dtype == torch.float32
                 and x.device.type == "cpu" and w.device.type == "cpu"
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dpara_rt import _core
+from dpara_rt.models import host_linear
 from dpara_rt.models.host_linear import pack_weight, registrations
 
 __all__ = ["HostQwen3", "usable"]
@@ -22,7 +23,8 @@ __all__ = ["HostQwen3", "usable"]
 
 def usable(model: nn.Module, h: Tensor, cache) -> bool:
     """Whether this forward can take the native layers: float32 on the CPU, a KV cache, nothing to train."""
-    return (cache is not None and h.dtype == torch.float32 and h.device.type == "cpu"
+    return (host_linear.native_target() and cache is not None and h.dtype == torch.float32
+            and h.device.type == "cpu"
             and cache.k.dtype == torch.float32 and cache.k.stride(-1) == 1
             and cache.k.stride(-2) == cache.k.shape[-1]
             and not (torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())))
