@@ -492,7 +492,8 @@ PYBIND11_MODULE(_core, m) {
              HostQwen3Weights w;
              const std::uintptr_t ptrs[4] = {qkv, o, gate_up, down};
              HostPackedLinear* lins[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
-             for (int i = 0; i < 4; ++i) *lins[i] = {reinterpret_cast<const void*>(ptrs[i]), parse_dtype(packed_dtypes[i])};
+             for (int i = 0; i < 4; ++i)
+               *lins[i] = {reinterpret_cast<const void*>(ptrs[i]), parse_dtype(packed_dtypes[i])};
              w.input_norm = reinterpret_cast<const float*>(input_norm);
              w.post_norm = reinterpret_cast<const float*>(post_norm);
              w.q_norm = reinterpret_cast<const float*>(q_norm);

@@ -7,9 +7,16 @@ transformers is imported lazily so that tests not using these fixtures do not pa
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# The repository root holds the `kernels/` folder (installed as dpara_rt.kernels). `python -m pytest` puts the root
+# on sys.path, where that folder would shadow the `kernels` distribution that transformers (>= 5.25) imports.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Before any test module is collected: some import triton (transformers models, the dflash reference), and the
 # Triton kernels can only run in the interpreter if it was asked for before triton's first import.
