@@ -228,3 +228,26 @@ def test_the_next_heads_noise_drawn_beside_verification_changes_nothing(pair, mo
     own = decode()
     assert not any(t is not None for t in taken)
     assert drawn.tokens == own.tokens and drawn.stats.tau == own.stats.tau
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_worker_absorbs_a_rounds_features_while_the_head_runs(pair, monkeypatch, temperature):
+    """With a drafter worker, verification sends the accepted features right away (absorb_ahead) and the head's
+    link sends only the next backbone; the outputs equal a thread decode's, where the absorb stays in the head's
+    link on the drafter lane."""
+    target, drafter = pair
+    prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
+    sent = []
+    post = DrafterWorker.post
+    monkeypatch.setattr(DrafterWorker, "post", lambda self, op, *a, **k: sent.append(op) or post(self, op, *a, **k))
+    out = {}
+    for mode in ("thread", "process"):
+        eng = Engine(target, drafter, method="dpara", d=D, drafter_worker=mode)
+        try:
+            out[mode] = eng.generate(prompts, 24, temperature=temperature, seed=5)
+        finally:
+            eng.close()
+    rounds = out["process"].stats.rounds
+    assert "absorb_and_fill" not in sent
+    assert sent.count("absorb_staged") >= rounds - 2 and sent.count("boundary") >= rounds - 1
+    assert out["process"].tokens == out["thread"].tokens

@@ -89,6 +89,7 @@ class WorkerContext:
         worker.call("new_cache", batch, max_len)
         self._staged_features: dict[int, int] = {}  # the features staging's address per phase -> phase
         self._maps: dict[str, mmap.mmap] = {}  # shared_buffer's mappings on this side
+        self._early: list = []  # replies wait_q collected on its way to the q (an absorb sent ahead), to settle
 
     def map_buffers(self, staging, ring) -> None:
         """Map the core's shared staging and ring into the worker (they are rebuilt when a decode grows)."""
@@ -153,11 +154,23 @@ class WorkerContext:
         `slot`) into half `half` of the shared "q" buffer, before its next call; ``wait_q`` waits for it."""
         self.worker.post("markov_q", slot, r.tolist(), bonus.tolist(), draft.tolist(), temperature, markov, half)
 
+    def _collect_through(self, ops: tuple[str, ...]) -> list:
+        """The worker's replies in order, up to and including the first of `ops` (all pending ones if none is)."""
+        done = []
+        while not done or done[-1][0] not in ops:
+            got = self.worker.collect(count=1)
+            if not got:
+                break
+            done += got
+        return done
+
     def wait_q(self) -> None:
-        """Wait for the q posted last: the worker's first pending call (settle collected everything before it)."""
-        (op, _, _), = self.worker.collect(count=1)
-        if op != "markov_q":
-            raise RuntimeError(f"the drafter worker answered {op!r} where the draft's q was expected")
+        """Wait for the q posted last. Replies before it (an absorb sent ahead) are kept for settle."""
+        done = self._collect_through(("markov_q",))
+        if not done or done[-1][0] != "markov_q":
+            raise RuntimeError(f"the drafter worker answered {[op for op, _, _ in done]} where the draft's q was "
+                               "expected")
+        self._early += done[:-1]
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, _to_pipe(features))
@@ -166,8 +179,11 @@ class WorkerContext:
         self.worker.call("grow", batch)
 
     def settle(self) -> list[tuple[str, int, int]]:
+        """Wait for the replies through the round's boundary (an absorb sent ahead for the next round stays in
+        flight); the timeline spans of those and of any collected early."""
+        done, self._early = self._early + self._collect_through(("boundary", "absorb_and_fill")), []
         spans = []
-        for op, value, (t0, t1) in self.worker.collect():
+        for op, value, (t0, t1) in done:
             if op == "absorb_and_fill":  # the boundary's start: the reply's value
                 spans += [("context", t0, value), ("backbone", value, t1)]
             else:

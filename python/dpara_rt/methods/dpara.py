@@ -3,7 +3,9 @@
 While the target lane verifies [b, t1..td], the drafter lane runs one spine + branch backbone forward that
 writes boundary logits for all d+1 outcomes into a ring slot. When verification reveals (r, bonus), staged
 to the drafter lane, only the Markov head runs on the critical path, reading branch r of that slot; it queues
-the next verify at once, then the drafter lane absorbs the accepted features and starts the next backbone.
+the next verify at once, then the drafter lane absorbs the accepted features and starts the next backbone. A
+drafter worker process gets the features as soon as verification accepts them, and absorbs them while the head
+runs.
 Round 1 has no spine yet and is drafted serially; that is not a fallback, and there is none afterwards.
 """
 from __future__ import annotations
@@ -23,10 +25,11 @@ def run(dec: Decoder, first: Outcome):
     def verify(nxt: Draft, slot: int):  # target lane
         out = dec.verify_and_accept(nxt, slot)
         if not out.finished:
-            dec.post(dec.head_lane, "markov_head", lambda: markov_head(out, slot))
+            ahead = dec.absorb_ahead(out)  # a drafter worker absorbs while the head runs
+            dec.post(dec.head_lane, "markov_head", lambda: markov_head(out, slot, ahead))
 
-    def markov_head(out: Outcome, slot: int):  # head lane: the only drafting on the critical path
-        launch(out, *dec.draft_from_boundary(out, slot), absorb=True)
+    def markov_head(out: Outcome, slot: int, absorbed: bool):  # head lane: the only drafting on the critical path
+        launch(out, *dec.draft_from_boundary(out, slot), absorb=not absorbed)
 
     dec.post(dec.head_lane, "context", lambda: dec.absorb(first))
     dec.post(dec.head_lane, "serial_draft", lambda: launch(first, *dec.draft_serial(first), absorb=False))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -25,105 +24,12 @@ from dpara_rt.chain import Chain
 from dpara_rt.core import slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
+from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
 from dpara_rt.models.target import Target
 from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
-from dpara_rt.sampling import check_sampling, inverse_cdf, make_generator, probs, sample, uniforms
+from dpara_rt.sampling import inverse_cdf, make_generator, probs, sample, uniforms
 
-PSD_POLICIES = ("pearl", "ssd")
-MAX_SSD_FANOUT = 64  # each guess costs one serial backbone forward per round
-RING_CONTENTS = ("logits", "hidden")  # what DPara's ring holds per branch row: boundary logits, or hidden states
-_SEED_LIMIT = 1 << 63
 _ROW_STREAM_SHIFT = 40  # per-row Markov head calls under one seed: row b's Philox offset is calls + (b << 40)
-
-
-def is_int(value) -> bool:
-    """An integer argument: any Integral but bool (True would pass as 1)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-_PER_REQUEST = ("temperature", "top_p", "top_k", "seed")  # options a call may give one value per prompt
-
-
-def _per_request(value):
-    """A per-request value (a sequence: one per prompt) as a tuple; a scalar as it is."""
-    if isinstance(value, (str, bytes)):
-        return value
-    if isinstance(value, torch.Tensor):
-        return tuple(value.tolist()) if value.dim() > 0 else value.item()
-    if isinstance(value, np.ndarray):
-        return tuple(value.tolist()) if value.ndim > 0 else value.item()
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    return value
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """What one decode call runs with (the engine's defaults overridden per call).
-
-    temperature, top_p, top_k and seed are each one value for the whole batch or a tuple with one value per
-    prompt (``check_batch`` checks the count). Sampling applies temperature, then top-k (0 = off), then top-p
-    (1 = off): see dpara_rt.sampling."""
-    d: int = 7
-    temperature: float | tuple[float, ...] = 0.0
-    top_p: float | tuple[float, ...] = 1.0
-    top_k: int | tuple[int, ...] = 0
-    seed: int | tuple[int, ...] = 0
-    max_new_tokens: int = 64
-    eos_ids: tuple[int, ...] = ()
-    psd_policy: str = "pearl"
-    ssd_fanout: int = 4
-    dpara_ring: str = "logits"
-
-    def __post_init__(self):
-        for name in _PER_REQUEST:
-            object.__setattr__(self, name, _per_request(getattr(self, name)))
-        if not is_int(self.d) or not 1 <= self.d <= ops.MAX_DRAFT:
-            raise ValueError(f"d = {self.d!r}; expected an int in 1..{ops.MAX_DRAFT}")
-        for name in _PER_REQUEST:
-            if getattr(self, name) == ():
-                raise ValueError(f"{name} = (); expected a value, or one value per prompt")
-        check_sampling(self.temperature, self.top_p, self.top_k)
-        seeds = self.seed if isinstance(self.seed, tuple) else (self.seed,)
-        for i, seed in enumerate(seeds):
-            if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
-                name = f"seed[{i}]" if isinstance(self.seed, tuple) else "seed"
-                raise ValueError(f"{name} = {seed!r}; expected an int in [0, 2**63)")
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
-        if self.psd_policy not in PSD_POLICIES:
-            raise ValueError(f"psd_policy {self.psd_policy!r}; expected one of {PSD_POLICIES}")
-        if not is_int(self.ssd_fanout) or not 1 <= self.ssd_fanout <= MAX_SSD_FANOUT:
-            raise ValueError(f"ssd_fanout = {self.ssd_fanout!r}; expected an int in 1..{MAX_SSD_FANOUT} (each guess "
-                             "costs a backbone forward per round)")
-        bad_eos = [e for e in self.eos_ids if not is_int(e) or e < 0]
-        if bad_eos:
-            raise ValueError(f"eos_ids holds {bad_eos[0]!r}; expected non-negative int token ids")
-        if self.dpara_ring not in RING_CONTENTS:
-            raise ValueError(f"dpara_ring {self.dpara_ring!r}; expected one of {RING_CONTENTS}")
-
-    @property
-    def sampling(self) -> bool:
-        """Whether any request samples (the others are greedy rows of a sampled batch)."""
-        temps = self.temperature if isinstance(self.temperature, tuple) else (self.temperature,)
-        return any(t > 0 for t in temps)
-
-    @property
-    def per_request_seeds(self) -> bool:
-        return isinstance(self.seed, tuple)
-
-    def check_batch(self, batch: int) -> None:
-        """ValueError unless every per-request option has one value per prompt."""
-        for name in _PER_REQUEST:
-            value = getattr(self, name)
-            if isinstance(value, tuple) and len(value) != batch:
-                raise ValueError(f"{name} has {len(value)} values for {batch} prompts; expected one per prompt "
-                                 "(or a single value for all)")
-
-    def per_row(self, name: str, batch: int) -> list:
-        """Option `name` as one value per row."""
-        value = getattr(self, name)
-        return list(value) if isinstance(value, tuple) else [value] * batch
 
 
 @dataclass(frozen=True)
@@ -236,6 +142,7 @@ class Decoder:
         self.warned_non_finite = False
         self.staging = self.context = self.ring = None
         self._in_worker: tuple[int, int, int | None] | None = None  # (round, slot, features phase) being filled
+        self._absorbed_ahead: int | None = None  # features phase of an absorb sent ahead, not yet settled
         self._staged, self._slots = {}, []
         # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
         self.ring_logits = opts.dpara_ring == "logits"
@@ -348,6 +255,18 @@ class Decoder:
         if out.round > 0:
             self._release(self.head_lane, "features", out.phase)
 
+    def absorb_ahead(self, out: Outcome) -> bool:
+        """Target lane, right after accepting `out`: with a drafter worker, send it the accepted features now. The
+        worker, idle while the Markov head link runs here (the head waited for its backbone), absorbs them then,
+        and the next backbone starts as soon as the head sends it. In this process the head shares the drafter
+        lane, where absorbing first would delay it: then nothing is sent (False)."""
+        if not self.context.remote or out.finished:
+            return False
+        self.target_lane.wait(out.ready)
+        self.context.absorb(out.features, out.keep)
+        self._absorbed_ahead = out.phase if out.round > 0 else None  # settled with the next boundary
+        return True
+
     def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
         """Head lane (the drafter lane unless a worker process drafts): stage the draft for the round after `prev`."""
         rnd = prev.round + 1
@@ -427,7 +346,8 @@ class Decoder:
             self.head_lane.wait(prev.ready)
         self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
         staged = prev is not None and prev.round > 0
-        self._in_worker = (self.chain.round, slot, prev.phase if staged else None)
+        phase, self._absorbed_ahead = (prev.phase if staged else self._absorbed_ahead), None
+        self._in_worker = (self.chain.round, slot, phase)
 
     def _settle(self) -> None:
         """Head lane: wait for what start_boundary sent to the worker, put its spans on the timeline, hand the
