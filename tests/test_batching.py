@@ -179,6 +179,26 @@ def test_sampled_requests_keep_their_own_stream(pair):
         sched.close()
 
 
+@pytest.mark.parametrize("name", ["dspark", "dpara", "dpara-hidden"])
+def test_a_seeded_request_joining_a_running_decode_draws_what_it_draws_alone(pair, name):
+    """The Markov head's random stream of a per-request seed counts the request's own head calls, not the
+    decode's: a request that joins after several rounds samples exactly its output alone."""
+    eng = _engine(pair, name)
+    prompt = [5, 9, 33, 12]
+    alone = eng.generate([prompt], 16, temperature=1.0, seed=21).tokens[0]
+    g = torch.Generator().manual_seed(7)
+    long_prompt = [7, 3, 40]
+    while len(eng.generate([long_prompt], 40).tokens[0]) < 30:  # still running when the other joins
+        long_prompt = torch.randint(3, 64, (4,), generator=g).tolist()
+    early = _request(0, long_prompt, 40)
+    late = _request(1, prompt, 16)
+    late.temperature, late.seed = 1.0, 21
+    timeline = Timeline(eng, [(0, early), (4, late)])
+    slots = _run(eng, timeline, batch=2)
+    assert slots.joins == 1  # it joined a decode already 4 rounds in
+    assert [t for c in late.handle for t in c] == alone
+
+
 def test_batch_limit_comes_from_memory(pair):
     """Per row: the target's KV cache and the drafter's context cache at max_len, plus two ring slots."""
     from dpara_rt.engine import batch_for_memory
