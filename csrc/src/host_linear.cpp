@@ -8,8 +8,9 @@
 #include "util.h"
 
 // Compiled per CPU level (GCC function multiversioning, picked at load time): AVX-512 (x86-64-v4) keeps the
-// 8 x 32 tile's 16 accumulators in zmm registers, AVX2 + FMA (v3) in pairs of ymm, the baseline in xmm. The
-// helpers are always_inline, so each clone gets its own copy and the vector ABI GCC warns about never applies.
+// 8 x 32 tile's 16 accumulators in zmm registers; without AVX-512 a 6 x 16 tile's 12 fit in ymm (AVX2 + FMA,
+// v3) or xmm pairs (the baseline). The helpers are always_inline, so each clone gets its own copy and the
+// vector ABI GCC warns about never applies.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define DPARA_RT_LINEAR_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -28,6 +29,9 @@ constexpr std::int64_t kRowBlock = 64;  // rows per pass over the panels: their 
 typedef float F16 __attribute__((vector_size(64)));
 typedef std::uint16_t H16 __attribute__((vector_size(32)));
 typedef std::uint32_t U16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef std::uint16_t H8 __attribute__((vector_size(16)));
+typedef std::uint32_t U8 __attribute__((vector_size(32)));
 
 // 16 weights of a packed panel row as float32: a bfloat16 is the top half of its float32.
 DPARA_RT_INLINE F16 load_weights(const std::uint16_t* p) {
@@ -40,6 +44,19 @@ DPARA_RT_INLINE F16 load_weights(const std::uint16_t* p) {
 }
 DPARA_RT_INLINE F16 load_weights(const float* p) {
   F16 f;
+  std::memcpy(&f, p, sizeof f);
+  return f;
+}
+DPARA_RT_INLINE F8 load_weights8(const std::uint16_t* p) {
+  H8 h;
+  std::memcpy(&h, p, sizeof h);
+  const U8 wide = __builtin_convertvector(h, U8) << 16;
+  F8 f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+DPARA_RT_INLINE F8 load_weights8(const float* p) {
+  F8 f;
   std::memcpy(&f, p, sizeof f);
   return f;
 }
@@ -73,19 +90,64 @@ DPARA_RT_INLINE void tile(const float* x, std::int64_t k_dim, const W* panel, fl
   }
 }
 
+// The same in 8-float vectors over NV * 8 columns of a panel (`cols` of them written): with 16 vector registers
+// (AVX2) a 6 x 16 tile holds its 12 accumulators, two weight vectors and the broadcast input, where the 8 x 32
+// tile would spill; a row or two left over take the panel's 32 columns at once (four chains each, to cover
+// the FMA latency). Per element the same FMA chain as tile(), so the same bits.
+template <int MR, int NV, class W>
+DPARA_RT_INLINE void tile8(const float* x, std::int64_t k_dim, const W* panel, float* y, std::int64_t n,
+                           std::int64_t cols) {
+  F8 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = F8{};
+  for (std::int64_t k = 0; k < k_dim; ++k) {
+    F8 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load_weights8(panel + k * kPanel + 8 * v);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * k_dim + k];
+      for (int v = 0; v < NV; ++v) acc[m][v] += xv * w[v];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[8 * NV];
+    std::memcpy(tmp, &acc[m][0], sizeof acc[m]);
+    std::memcpy(y + m * n, tmp, sizeof(float) * cols);
+  }
+}
+
+// 64-byte vectors want AVX-512's 32 registers; with fewer, the 16-column tiles (decided once, at first use).
+DPARA_RT_INLINE bool wide_vectors() {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+#else
+  return true;
+#endif
+}
+
 template <class W>
 DPARA_RT_INLINE void linear(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
                             float* y) {
   const std::int64_t panels = (n + kPanel - 1) / kPanel;
+  const bool wide = wide_vectors();
   for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
     const std::int64_t r1 = std::min(m, r0 + kRowBlock);
     for (std::int64_t p = 0; p < panels; ++p) {
       const W* panel = packed + p * k * kPanel;
       const std::int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
       std::int64_t r = r0;
-      for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * n + c0, n, cols);
-      for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * n + c0, n, cols);
-      for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      if (wide) {
+        for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * n + c0, n, cols);
+        for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * n + c0, n, cols);
+        for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * n + c0, n, cols);
+        continue;
+      }
+      const std::int64_t r6 = r0 + (r1 - r0) / 6 * 6;
+      for (std::int64_t h = 0; h < cols; h += 16)
+        for (r = r0; r < r6; r += 6)
+          tile8<6, 2>(x + r * k, k, panel + h, y + r * n + c0 + h, n, std::min<std::int64_t>(16, cols - h));
+      for (r = r6; r + 2 <= r1; r += 2) tile8<2, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      if (r < r1) tile8<1, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
     }
   }
 }
