@@ -5,7 +5,7 @@ as an `aten::copy_` under `backbone` or `verify`.
     python bench/profile_round.py [--methods ar,dspark,psd-pearl,dpara] [--prompts 4] [--max-new-tokens 48]
                                   [--batch 1] [--d 7] [--top 6] [--out profile.json]
 
-Uses the embedded pair as the demo runs it (target fp32, drafter bf16) on HumanEval prompts. Run it on a
+Uses the embedded pair as the demo runs it (target fp32, drafter in compare.host_drafter_dtype()) on HumanEval prompts. Run it on a
 quiet machine: the lanes are pinned to cores, and anything else running halves them.
 """
 from __future__ import annotations

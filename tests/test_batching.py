@@ -14,7 +14,7 @@ from dpara_rt.engine import Engine
 from dpara_rt.scheduler import Request, RequestHandle, Scheduler
 from engine_pairs import predictable_pair
 
-VARIANTS = ["ar", "dspark", "dflash", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-hidden", "auto"]
+VARIANTS = ["ar", "dspark", "dflash", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-logits", "auto"]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_joins_and_leaves_keep_every_greedy_output(pair, name):
     assert eng.last_stats.fallback_rate == 0 or name.startswith("psd")
 
 
-@pytest.mark.parametrize("name", ["ar", "dspark", "psd-pearl", "dpara", "dpara-hidden"])
+@pytest.mark.parametrize("name", ["ar", "dspark", "psd-pearl", "dpara", "dpara-logits"])
 def test_the_batch_grows_while_a_decode_runs(pair, name):
     """A decode that started with one row grows (1 -> 2 -> 4) as requests arrive; every output is unchanged."""
     eng = _engine(pair, name, max_batch=4)
@@ -179,7 +179,7 @@ def test_sampled_requests_keep_their_own_stream(pair):
         sched.close()
 
 
-@pytest.mark.parametrize("name", ["dspark", "dpara", "dpara-hidden"])
+@pytest.mark.parametrize("name", ["dspark", "dpara-logits", "dpara-hidden"])
 def test_a_seeded_request_joining_a_running_decode_draws_what_it_draws_alone(pair, name):
     """The Markov head's random stream of a per-request seed counts the request's own head calls, not the
     decode's: a request that joins after several rounds samples exactly its output alone."""

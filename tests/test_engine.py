@@ -8,11 +8,12 @@ import torch
 
 from dpara_rt.engine import Engine
 from dpara_rt.methods import AUTO_CANDIDATES, VARIANTS, variant, variant_name
+from dpara_rt.methods.options import ring_for
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
 from engine_pairs import flaky, predictable_pair
 
-SPEC = ["dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-hidden"]
+SPEC = ["dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-logits", "dpara-hidden"]
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +237,19 @@ def test_every_variant_name_maps_back_to_itself():
         variant("beam")
 
 
-@pytest.mark.parametrize("name", ["ar", "dspark", "psd-pearl", "dpara", "dpara-hidden"])
+def test_dpara_picks_its_ring_for_the_drafters_hardware(pair):
+    """A float32 host drafter keeps hidden states (projecting 56 rows on FMA units outlasts the verify); a bf16
+    drafter, whose projection bf16 matrix hardware would do, keeps boundary logits; an explicit ring stays."""
+    import copy
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4)
+    assert (eng.defaults.dpara_ring, eng.name) == ("hidden", "dpara-hidden")
+    bf16 = copy.deepcopy(drafter).to(torch.bfloat16)
+    assert ring_for(bf16) == "logits" and ring_for(drafter) == "hidden"
+    assert Engine(target, drafter, method="dpara", d=4, dpara_ring="logits").name == "dpara-logits"
+
+
+@pytest.mark.parametrize("name", ["ar", "dspark", "psd-pearl", "dpara-logits", "dpara-hidden"])
 def test_a_new_call_cancels_a_suspended_stream(pair, name):
     target, drafter = pair
     eng = Engine(target, drafter, d=4, **variant(name))

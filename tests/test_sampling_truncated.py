@@ -179,7 +179,7 @@ def counts_of(eng, n_calls=N_CALLS, **kwargs) -> tuple[np.ndarray, int]:
 
 TRUNCATIONS = {"top_k": dict(top_k=4, top_p=1.0), "top_p": dict(top_k=0, top_p=0.7),
                "both": dict(top_k=6, top_p=0.8)}
-METHOD_VARIANTS = ["ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-hidden"]
+METHOD_VARIANTS = ["ar", "dspark", "psd-pearl", "psd-ssd", "dpara-logits", "dpara-hidden"]
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +236,7 @@ def test_greedy_rows_of_a_sampled_batch_are_ar_greedy(pair, name):
                 assert out[i] == greedy[i], (name, seed, i)
 
 
-@pytest.mark.parametrize("name", ["ar", "dspark", "dpara", "dpara-hidden"])
+@pytest.mark.parametrize("name", ["ar", "dspark", "dpara-logits", "dpara-hidden"])
 def test_a_request_with_its_own_seed_draws_what_it_draws_alone(pair, name):
     """Per-request seeds: each request's output equals its output decoded alone with that seed (this holds
     here because the tiny models' batched forwards give each row the logits of a batch of one)."""

@@ -110,9 +110,9 @@ def _load_pair(args):
         from dpara_rt.compare import load_pair
         return load_pair(getattr(args, "models", None))
     from dpara_rt.assets import load_tiny
-    from dpara_rt.compare import DRAFTER_DTYPE
+    from dpara_rt.compare import host_drafter_dtype
     return load_tiny(device=device or "cpu", dtype=dtype or "float32", root=getattr(args, "models", None),
-                     drafter_dtype=DRAFTER_DTYPE)
+                     drafter_dtype=host_drafter_dtype())
 
 
 def _hf_tokenizer(path):

@@ -32,6 +32,7 @@ import torch
 from dpara_rt.drafter_context import WORKER_MODES, DrafterWorker
 from dpara_rt.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
+from dpara_rt.methods.options import ring_for
 from dpara_rt.methods.rounds import DecodeOptions, Decoder, is_int
 from dpara_rt.models.drafter_io import check_target_compatible
 from dpara_rt.models.hf_target import make_target
@@ -52,7 +53,7 @@ class Engine:
     def __init__(self, target, drafter=None, method: str = "dpara", d: int = 7, placement: str = "split",
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  max_batch: int = MAX_BATCH, max_len: int | None = None, eos_ids: Sequence[int] | None = None,
-                 psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "logits", threads_per_lane: int = 1,
+                 psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "auto", threads_per_lane: int = 1,
                  drafter_worker: str = "auto"):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
@@ -75,6 +76,8 @@ class Engine:
         cap = getattr(target.config, "max_position_embeddings", None)
         if max_len is not None and cap is not None and max_len > cap:
             raise ValueError(f"max_len = {max_len}; expected at most the model's max_position_embeddings {cap}")
+        if dpara_ring == "auto":  # the ring's contents for this drafter's hardware
+            dpara_ring = ring_for(drafter) if drafter is not None else "logits"
         self.defaults = DecodeOptions(d=d if method != "ar" else 1, temperature=_as_float(temperature),
                                       top_p=top_p, top_k=top_k, seed=seed, eos_ids=tuple(eos_ids),
                                       psd_policy=psd_policy, ssd_fanout=ssd_fanout, dpara_ring=dpara_ring)

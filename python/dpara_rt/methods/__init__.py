@@ -30,7 +30,7 @@ METHODS = {
     "dpara": Method(dpara.run, needs_drafter=True, parallel=True, worker=True),
 }
 AUTO = "auto"                          # adaptive: profiles these per batch size and keeps the faster
-AUTO_CANDIDATES = ("dspark", "dpara", "dpara-hidden")  # variant names
+AUTO_CANDIDATES = ("dspark", "dpara-logits", "dpara-hidden")  # variant names
 
 # name -> Engine keyword arguments
 VARIANTS = {
@@ -39,13 +39,14 @@ VARIANTS = {
     "dflash": dict(method="dflash"),
     "psd-pearl": dict(method="psd", psd_policy="pearl"),
     "psd-ssd": dict(method="psd", psd_policy="ssd"),
-    "dpara": dict(method="dpara"),
+    "dpara": dict(method="dpara"),  # the ring's contents chosen for the drafter's hardware (options.ring_for)
     "dpara-single": dict(method="dpara", placement="colocated"),
+    "dpara-logits": dict(method="dpara", dpara_ring="logits"),
     "dpara-hidden": dict(method="dpara", dpara_ring="hidden"),
     AUTO: dict(method=AUTO),
     "auto-single": dict(method=AUTO, placement="colocated"),
 }
-_DEFAULTS = dict(placement="split", psd_policy="pearl", dpara_ring="logits")
+_DEFAULTS = dict(placement="split", psd_policy="pearl", dpara_ring="auto")
 
 
 def variant(name: str) -> dict:
@@ -59,7 +60,7 @@ def needs_drafter(method: str) -> bool:
     return method == AUTO or METHODS[method].needs_drafter
 
 
-def variant_name(method: str, placement: str = "split", psd_policy: str = "pearl", dpara_ring: str = "logits") -> str:
+def variant_name(method: str, placement: str = "split", psd_policy: str = "pearl", dpara_ring: str = "auto") -> str:
     """The variant name of an engine configuration (the inverse of VARIANTS). Only what changes a method's
     behaviour counts: the PSD policy for psd, the ring's contents for dpara, the placement for methods that
     run both lanes at once."""

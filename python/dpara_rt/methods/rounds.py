@@ -393,7 +393,8 @@ class Decoder:
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, slot)
             rows = boundary[torch.arange(len(r)), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
-            logits = self.drafter.logits(rows)
+            with torch.inference_mode():  # grad mode is per thread: without this the host projection is torch's
+                logits = self.drafter.logits(rows)
             return self.markov(logits[:, None], torch.zeros_like(r), bonus)
         finally:
             self.ring.release(slot, self.head_lane.record())

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
+from dpara_rt.models.host_linear import HostLinear
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from dpara_rt import ops
@@ -154,10 +155,10 @@ class _Attention(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = HostLinear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = HostLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = HostLinear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = HostLinear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -179,9 +180,9 @@ class _Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = _Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = HostLinear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = HostLinear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = HostLinear(c.intermediate_size, c.hidden_size, bias=False)
 
     def mlp(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -225,7 +226,7 @@ class Drafter(nn.Module):
                              f"expects (vocab_size, hidden_size) = ({c.vocab_size}, {c.hidden_size})")
         self.config = c
         self._shared = (embed_tokens, lm_head)  # a tuple keeps them out of the module tree
-        self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        self.fc = HostLinear(c.feature_size, c.hidden_size, bias=False)
         self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -311,7 +312,13 @@ class Drafter(nn.Module):
         return torch.where((tokens == MASK_ID)[..., None], self.mask_embedding, e)
 
     def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
-        w, b = self.lm_head.weight.detach(), self.lm_head.bias
+        head = self.lm_head
+        if isinstance(head, HostLinear):  # float32 on the host: the core's projection, into the slot itself
+            if out is None and head._native(hidden):
+                return head(hidden)
+            if out is not None and head.forward_into(hidden, out):
+                return out
+        w, b = head.weight.detach(), head.bias
         if out is not None and b is None and out.dtype == hidden.dtype and out.is_contiguous():
             # Written straight into the ring slot as one 2-D product: a batched matmul with out= would copy
             # the transposed output head on every call.

@@ -89,6 +89,20 @@ class HostLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if not self._native(x):
             return F.linear(x, self.weight, self.bias)
+        y = torch.empty(*x.shape[:-1], self.weight.shape[0], dtype=torch.float32)
+        self._native_into(x, y)
+        return y
+
+    def forward_into(self, x: Tensor, out: Tensor) -> bool:
+        """y = x W^T written straight into ``out`` (contiguous, [..., out_features]) by the native path: a ring
+        slot filled without a temporary. False (nothing written) where the native path does not apply."""
+        if not (self._native(x) and out.dtype == torch.float32 and out.device.type == "cpu"
+                and out.is_contiguous() and out.numel() == x[..., :1].numel() * self.weight.shape[0]):
+            return False
+        self._native_into(x, out)
+        return True
+
+    def _native_into(self, x: Tensor, y: Tensor) -> None:
         w = self.weight
         src = self._packed_for
         if not src or src[0] is not w or src[1] != w.data_ptr() or src[2] != w._version:
@@ -98,7 +112,5 @@ class HostLinear(nn.Linear):
         if x.shape[-1] != k:
             raise ValueError(f"HostLinear: input {tuple(x.shape)} has {x.shape[-1]} features; expected {k}")
         rows = x.reshape(-1, k).contiguous()
-        y = torch.empty(rows.shape[0], n, dtype=torch.float32)
         _core.host_linear(rows.data_ptr(), rows.shape[0], k, self._packed.data_ptr(), self._packed_dtype, n,
                           y.data_ptr())
-        return y.view(*x.shape[:-1], n)
