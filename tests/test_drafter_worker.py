@@ -190,7 +190,7 @@ def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, monkeyp
     monkeypatch.setattr(noise_ahead.PendingQ, "take", lambda self: halves.append(self.half) or take(self))
     out = {}
     for mode in ("thread", "process"):
-        eng = Engine(target, drafter, method="dpara", d=D, drafter_worker=mode)
+        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="logits", drafter_worker=mode)
         try:
             out[mode] = [eng.generate(prompts, 24, temperature=t, seed=5, top_p=top_p)
                          for t, top_p in ((1.0, 1.0), (0.7, 0.9))]
