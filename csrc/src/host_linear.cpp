@@ -146,8 +146,19 @@ DPARA_RT_INLINE void linear(const float* x, std::int64_t m, std::int64_t k, cons
       for (std::int64_t h = 0; h < cols; h += 16)
         for (r = r0; r < r6; r += 6)
           tile8<6, 2>(x + r * k, k, panel + h, y + r * n + c0 + h, n, std::min<std::int64_t>(16, cols - h));
-      for (r = r6; r + 2 <= r1; r += 2) tile8<2, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
-      if (r < r1) tile8<1, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      r = r6;
+      if (r1 - r >= 3) {  // 3..5 rows left: one tile of them per 16 columns
+        for (std::int64_t h = 0; h < cols; h += 16) {
+          const std::int64_t hc = std::min<std::int64_t>(16, cols - h);
+          float* out = y + r * n + c0 + h;
+          if (r1 - r == 5) tile8<5, 2>(x + r * k, k, panel + h, out, n, hc);
+          else if (r1 - r == 4) tile8<4, 2>(x + r * k, k, panel + h, out, n, hc);
+          else tile8<3, 2>(x + r * k, k, panel + h, out, n, hc);
+        }
+        r = r1;
+      }
+      if (r1 - r == 2) tile8<2, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      else if (r < r1) tile8<1, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
     }
   }
 }
