@@ -16,7 +16,7 @@ import time
 from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_methods, table
 from dpara_rt.methods import METHODS, VARIANTS
 
-GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-hidden", "auto")
+GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara-logits", "dpara-hidden", "dpara-single", "auto")
 # serial methods never run both lanes at once: in the matched setting they may use both cores
 SERIAL = tuple(n for n in GRID_METHODS if VARIANTS[n]["method"] in METHODS and not METHODS[VARIANTS[n]["method"]].parallel)
 
