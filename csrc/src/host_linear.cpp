@@ -26,37 +26,29 @@ constexpr std::int64_t kPanel = kHostLinearPanel;
 constexpr int kHalf = 16;             // floats per vector; a panel row is two
 constexpr std::int64_t kRowBlock = 64;  // rows per pass over the panels: their x stays in L2 while W streams
 
-typedef float F16 __attribute__((vector_size(64)));
-typedef std::uint16_t H16 __attribute__((vector_size(32)));
-typedef std::uint32_t U16 __attribute__((vector_size(64)));
-typedef float F8 __attribute__((vector_size(32)));
-typedef std::uint16_t H8 __attribute__((vector_size(16)));
-typedef std::uint32_t U8 __attribute__((vector_size(32)));
+// N floats of a packed panel row: F is the float vector, H / U the bf16 and uint32 vectors of as many lanes.
+template <int N>
+struct Lanes {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef std::uint16_t H __attribute__((vector_size(2 * N)));
+  typedef std::uint32_t U __attribute__((vector_size(4 * N)));
+};
+typedef Lanes<16>::F F16;  // a zmm register (AVX-512)
+typedef Lanes<8>::F F8;    // a ymm register (AVX2)
 
-// 16 weights of a packed panel row as float32: a bfloat16 is the top half of its float32.
-DPARA_RT_INLINE F16 load_weights(const std::uint16_t* p) {
-  H16 h;
+// N weights of a packed panel row as float32: a bfloat16 is the top half of its float32.
+template <int N>
+DPARA_RT_INLINE typename Lanes<N>::F load_weights(const std::uint16_t* p) {
+  typename Lanes<N>::H h;
   std::memcpy(&h, p, sizeof h);
-  const U16 wide = __builtin_convertvector(h, U16) << 16;
-  F16 f;
+  const typename Lanes<N>::U wide = __builtin_convertvector(h, typename Lanes<N>::U) << 16;
+  typename Lanes<N>::F f;
   std::memcpy(&f, &wide, sizeof f);
   return f;
 }
-DPARA_RT_INLINE F16 load_weights(const float* p) {
-  F16 f;
-  std::memcpy(&f, p, sizeof f);
-  return f;
-}
-DPARA_RT_INLINE F8 load_weights8(const std::uint16_t* p) {
-  H8 h;
-  std::memcpy(&h, p, sizeof h);
-  const U8 wide = __builtin_convertvector(h, U8) << 16;
-  F8 f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-DPARA_RT_INLINE F8 load_weights8(const float* p) {
-  F8 f;
+template <int N>
+DPARA_RT_INLINE typename Lanes<N>::F load_weights(const float* p) {
+  typename Lanes<N>::F f;
   std::memcpy(&f, p, sizeof f);
   return f;
 }
@@ -69,7 +61,7 @@ DPARA_RT_INLINE void tile(const float* x, std::int64_t k_dim, const W* panel, fl
   F16 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = F16{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
-    const F16 w0 = load_weights(panel + k * kPanel), w1 = load_weights(panel + k * kPanel + kHalf);
+    const F16 w0 = load_weights<16>(panel + k * kPanel), w1 = load_weights<16>(panel + k * kPanel + kHalf);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
       acc[m][0] += xv * w0;
@@ -102,7 +94,7 @@ DPARA_RT_INLINE void tile8(const float* x, std::int64_t k_dim, const W* panel, f
     for (int v = 0; v < NV; ++v) acc[m][v] = F8{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
     F8 w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load_weights8(panel + k * kPanel + 8 * v);
+    for (int v = 0; v < NV; ++v) w[v] = load_weights<8>(panel + k * kPanel + 8 * v);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
       for (int v = 0; v < NV; ++v) acc[m][v] += xv * w[v];

@@ -14,6 +14,13 @@ PSD_POLICIES = ("pearl", "ssd")
 MAX_SSD_FANOUT = 64  # each guess costs one serial backbone forward per round
 RING_CONTENTS = ("logits", "hidden")  # what DPara's ring holds per branch row: boundary logits, or hidden states
 
+_SEED_LIMIT = 1 << 63
+
+
+def is_int(value) -> bool:
+    """An integer argument: any Integral but bool (True would pass as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
 
 def ring_for(drafter) -> str:
     """DPara's ring contents for a drafter, when the caller leaves them to us ("auto"). The logits ring projects
@@ -24,12 +31,6 @@ def ring_for(drafter) -> str:
     outlast the verify beside them (AVX2 host: 250.3 vs 303.7 tok/s)."""
     host_fp32 = drafter.device.type == "cpu" and drafter.dtype == torch.float32
     return "hidden" if host_fp32 else "logits"
-_SEED_LIMIT = 1 << 63
-
-
-def is_int(value) -> bool:
-    """An integer argument: any Integral but bool (True would pass as 1)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 _PER_REQUEST = ("temperature", "top_p", "top_k", "seed")  # options a call may give one value per prompt
