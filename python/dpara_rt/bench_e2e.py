@@ -18,7 +18,7 @@ from dpara_rt.methods import METHODS, VARIANTS
 
 GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara-logits", "dpara-hidden", "dpara-single", "auto")
 # serial methods never run both lanes at once: in the matched setting they may use both cores
-SERIAL = tuple(n for n in GRID_METHODS if VARIANTS[n]["method"] in METHODS and not METHODS[VARIANTS[n]["method"]].parallel)
+SERIAL = tuple(n for n in VARIANTS if VARIANTS[n]["method"] in METHODS and not METHODS[VARIANTS[n]["method"]].parallel)
 
 
 def _engine_kwargs(name: str, resources: str, d: int, temperature: float) -> dict:
@@ -90,10 +90,10 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in GRID_METHODS]
+    unknown = [m for m in methods if m not in VARIANTS]
     if unknown or "ar" not in methods:
-        print(f"bench_e2e: error: methods {unknown} unknown or 'ar' missing; expected a subset of {GRID_METHODS} "
-              "that includes ar", file=sys.stderr)
+        print(f"bench_e2e: error: methods {unknown} unknown or 'ar' missing; expected variant names from "
+              f"{tuple(VARIANTS)} that include ar (default: {','.join(GRID_METHODS)})", file=sys.stderr)
         return 2
     if args.quick:
         batches, temps, ds, resources = (1, 16), (0.0,), (7,), ("paper", "matched")
