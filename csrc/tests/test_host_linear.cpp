@@ -31,23 +31,25 @@ std::vector<std::uint8_t> pack(const F& w, std::int64_t n, std::int64_t k, DType
 }
 
 void test_exact_against_the_definition() {
-  for (DType dtype : {DType::float32, DType::bfloat16}) {
-    for (std::int64_t n : {1, 31, 32, 77}) {
-      const std::int64_t k = 37, m = 13;  // m = 8 + 4 + 1: every tile height
-      const F w = dyadic(n * k, 7u + n), x = dyadic(m * k, 11u);
-      const auto packed = pack(w, n, k, dtype);
-      F y(m * n, NAN);
-      host_linear(x.data(), m, k, packed.data(), dtype, n, y.data());
-      bool exact = true;
-      for (std::int64_t i = 0; i < m; ++i)
-        for (std::int64_t c = 0; c < n; ++c) {
-          double ref = 0;
-          for (std::int64_t kk = 0; kk < k; ++kk) ref += double(x[i * k + kk]) * w[c * k + kk];
-          exact &= y[i * n + c] == static_cast<float>(ref);
-        }
-      CHECK(exact);
-    }
-  }
+  // Every tile height: 8 + 4 + 1 (AVX-512), and 6-row blocks with 0..5 rows left over (AVX2), past a 64-row
+  // block too.
+  for (DType dtype : {DType::float32, DType::bfloat16})
+    for (std::int64_t m : {1, 2, 3, 4, 5, 7, 13, 69})
+      for (std::int64_t n : {1, 31, 32, 77}) {
+        const std::int64_t k = 37;
+        const F w = dyadic(n * k, 7u + n), x = dyadic(m * k, 11u);
+        const auto packed = pack(w, n, k, dtype);
+        F y(m * n, NAN);
+        host_linear(x.data(), m, k, packed.data(), dtype, n, y.data());
+        bool exact = true;
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t c = 0; c < n; ++c) {
+            double ref = 0;
+            for (std::int64_t kk = 0; kk < k; ++kk) ref += double(x[i * k + kk]) * w[c * k + kk];
+            exact &= y[i * n + c] == static_cast<float>(ref);
+          }
+        CHECK(exact);
+      }
 }
 
 void test_a_row_does_not_depend_on_its_neighbours() {
