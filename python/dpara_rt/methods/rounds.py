@@ -139,9 +139,9 @@ class Decoder:
                           else make_generator(opts.seed))
         self._head_options()
         self._markov_calls = 0
-        # Head calls since each row's request took it: a per-request seed's Markov offset, so a request that
-        # joins a running decode draws what it draws alone (its count starts where a fresh decode's does)
-        self._row_calls = [0] * B
+        # The head call count when each row's request took it: a per-request seed's Markov offset is the calls
+        # since then, so a request that joins a running decode draws what it draws alone (as from a fresh decode)
+        self._row_origin = [0] * B
         self.warned_non_finite = False
         self.staging = self.context = self.ring = None
         self._in_worker: tuple[int, int, int | None] | None = None  # (round, slot, features phase) being filled
@@ -189,7 +189,7 @@ class Decoder:
         pad = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
         self.opts = dataclasses.replace(self.opts, **{k: tuple(self.opts.per_row(k, B)) + (v,) * (batch - B)
                                                       for k, v in pad.items()})
-        self._row_calls += [0] * (batch - B)
+        self._row_origin += [self._markov_calls] * (batch - B)
         if isinstance(self.generator, list):
             self.generator += [make_generator(0) for _ in range(batch - B)]
         else:
@@ -215,7 +215,7 @@ class Decoder:
                 for k, v in given.items()}
         self.opts = dataclasses.replace(o, **rows)
         self.generator[b] = make_generator(seed)
-        self._row_calls[b] = 0
+        self._row_origin[b] = self._markov_calls
         self._head_options()
 
     @property
@@ -296,7 +296,6 @@ class Decoder:
         ring slot `boundary` is, from which a drafter worker computes q beside verification (noise_ahead.WorkerQ)."""
         dev = boundary.device
         self._markov_calls += 1  # each call draws fresh Gumbel noise
-        self._row_calls = [c + 1 for c in self._row_calls]
         r, bonus = r.to(dev), bonus.to(dev)
         opts = self.opts
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
@@ -313,7 +312,7 @@ class Decoder:
         drafts, qs = [], []
         for b, temp in enumerate(self._head_temps):
             if opts.per_request_seeds:
-                seed, offset = opts.seed[b], self._row_calls[b]
+                seed, offset = opts.seed[b], self._markov_calls - self._row_origin[b]
             else:
                 seed, offset = opts.seed, self._markov_calls + (b << _ROW_STREAM_SHIFT)
             draft, q = self._markov_head(boundary[b:b + 1], r[b:b + 1], bonus[b:b + 1], temp, seed, offset)
