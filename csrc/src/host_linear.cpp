@@ -3,6 +3,7 @@
 #include "dpara_rt/host_linear.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "util.h"
@@ -26,31 +27,37 @@ constexpr std::int64_t kPanel = kHostLinearPanel;
 constexpr int kHalf = 16;             // floats per vector; a panel row is two
 constexpr std::int64_t kRowBlock = 64;  // rows per pass over the panels: their x stays in L2 while W streams
 
-// N floats of a packed panel row: F is the float vector, H / U the bf16 and uint32 vectors of as many lanes.
+// N floats: F is the float vector, U the uint32 vector of as many lanes.
 template <int N>
 struct Lanes {
   typedef float F __attribute__((vector_size(4 * N)));
-  typedef std::uint16_t H __attribute__((vector_size(2 * N)));
   typedef std::uint32_t U __attribute__((vector_size(4 * N)));
 };
 typedef Lanes<16>::F F16;  // a zmm register (AVX-512)
 typedef Lanes<8>::F F8;    // a ymm register (AVX2)
 
-// N weights of a packed panel row as float32: a bfloat16 is the top half of its float32.
+// 2N weights of a packed panel row as two float vectors (lo, hi) of N columns each. float32 panels hold the
+// columns in order. bfloat16 panels interleave each group of 16 columns, column j beside column j + 8, so one
+// load of N 32-bit lanes gives both vectors with a shift and a mask (a bfloat16 is the top half of its
+// float32): no widening conversion, which AVX2 spends several instructions on.
 template <int N>
-DPARA_RT_INLINE typename Lanes<N>::F load_weights(const std::uint16_t* p) {
-  typename Lanes<N>::H h;
-  std::memcpy(&h, p, sizeof h);
-  const typename Lanes<N>::U wide = __builtin_convertvector(h, typename Lanes<N>::U) << 16;
-  typename Lanes<N>::F f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
+DPARA_RT_INLINE void load_weights(const std::uint16_t* p, typename Lanes<N>::F& lo, typename Lanes<N>::F& hi) {
+  typename Lanes<N>::U u;
+  std::memcpy(&u, p, sizeof u);
+  const typename Lanes<N>::U l = u << 16, h = u & 0xffff0000u;
+  std::memcpy(&lo, &l, sizeof lo);
+  std::memcpy(&hi, &h, sizeof hi);
 }
 template <int N>
-DPARA_RT_INLINE typename Lanes<N>::F load_weights(const float* p) {
-  typename Lanes<N>::F f;
-  std::memcpy(&f, p, sizeof f);
-  return f;
+DPARA_RT_INLINE void load_weights(const float* p, typename Lanes<N>::F& lo, typename Lanes<N>::F& hi) {
+  std::memcpy(&lo, p, sizeof lo);
+  std::memcpy(&hi, p + N, sizeof hi);
+}
+
+// Where a packed panel row keeps column c (0..31): in order for float32; for bfloat16 interleaved per group
+// of 16 as load_weights reads it.
+constexpr std::int64_t packed_position(std::int64_t c, bool bf16) {
+  return bf16 ? (c / 16) * 16 + 2 * (c % 8) + (c % 16) / 8 : c;
 }
 
 // y[0..MR) x [0..cols) = x[0..MR) @ panel: acc += x[m][k] * w[k] for k in order (one FMA per element and k,
@@ -61,98 +68,129 @@ DPARA_RT_INLINE void tile(const float* x, std::int64_t k_dim, const W* panel, fl
   F16 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = F16{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
-    const F16 w0 = load_weights<16>(panel + k * kPanel), w1 = load_weights<16>(panel + k * kPanel + kHalf);
+    F16 w0, w1;
+    load_weights<16>(panel + k * kPanel, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
       acc[m][0] += xv * w0;
       acc[m][1] += xv * w1;
     }
   }
+  // A 16-lane load of a bf16 panel row covers both groups: w0 = columns 0-7 and 16-23, w1 = 8-15 and 24-31.
+  constexpr bool kInterleaved = sizeof(W) == 2;
   for (int m = 0; m < MR; ++m) {
-    float* row = y + m * n;
-    if (cols == kPanel) {
-      std::memcpy(row, &acc[m][0], sizeof(F16));
-      std::memcpy(row + kHalf, &acc[m][1], sizeof(F16));
-    } else {  // the last panel's zero padding is not written
-      float tmp[kPanel];
-      std::memcpy(tmp, &acc[m][0], sizeof(F16));
-      std::memcpy(tmp + kHalf, &acc[m][1], sizeof(F16));
-      std::memcpy(row, tmp, sizeof(float) * cols);
-    }
+    float tmp[kPanel];
+    for (int c = 0; c < kPanel; ++c)
+      tmp[c] = kInterleaved ? acc[m][c % 16 / 8][c / 16 * 8 + c % 8] : acc[m][c / kHalf][c % kHalf];
+    std::memcpy(y + m * n, tmp, sizeof(float) * cols);  // the last panel's zero padding is not written
   }
 }
 
-// The same in 8-float vectors over NV * 8 columns of a panel (`cols` of them written): with 16 vector registers
-// (AVX2) a 6 x 16 tile holds its 12 accumulators, two weight vectors and the broadcast input, where the 8 x 32
-// tile would spill; a row or two left over take the panel's 32 columns at once (four chains each, to cover
-// the FMA latency). Per element the same FMA chain as tile(), so the same bits.
-template <int MR, int NV, class W>
-DPARA_RT_INLINE void tile8(const float* x, std::int64_t k_dim, const W* panel, float* y, std::int64_t n,
-                           std::int64_t cols) {
-  F8 acc[MR][NV];
+// The same in 8-float vectors over G groups of 16 columns (`cols` of them written, contiguous in y), group g's
+// weights at groups[g]: with 16 vector registers (AVX2) a 6 x 16 tile holds its 12 accumulators, a weight
+// pair and the broadcast input, where the 8 x 32 tile would spill; the last row or two take 64 or 32 columns
+// at once (eight chains, to cover the FMA latency). Per element the same FMA chain as tile(), so the same bits.
+template <int MR, int G, class W>
+DPARA_RT_INLINE void tile8(const float* x, std::int64_t k_dim, const W* const (&groups)[G], float* y,
+                           std::int64_t n, std::int64_t cols) {
+  F8 acc[MR][2 * G];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = F8{};
+    for (int v = 0; v < 2 * G; ++v) acc[m][v] = F8{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
-    F8 w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load_weights<8>(panel + k * kPanel + 8 * v);
+    F8 w[2 * G];
+    for (int g = 0; g < G; ++g) load_weights<8>(groups[g] + k * kPanel, w[2 * g], w[2 * g + 1]);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
-      for (int v = 0; v < NV; ++v) acc[m][v] += xv * w[v];
+      for (int v = 0; v < 2 * G; ++v) acc[m][v] += xv * w[v];
     }
   }
   for (int m = 0; m < MR; ++m) {
-    float tmp[8 * NV];
+    float tmp[16 * G];
     std::memcpy(tmp, &acc[m][0], sizeof acc[m]);
     std::memcpy(y + m * n, tmp, sizeof(float) * cols);
   }
 }
 
-// 64-byte vectors want AVX-512's 32 registers; with fewer, the 16-column tiles (decided once, at first use).
+// 64-byte vectors want AVX-512's 32 registers; with fewer, the 16-column tiles. Decided once, at first use;
+// DPARA_RT_HOST_LINEAR_TILES=wide or narrow forces either (both are exact everywhere: tests run each path on
+// any CPU).
 DPARA_RT_INLINE bool wide_vectors() {
+  static const bool wide = [] {
+    const char* force = std::getenv("DPARA_RT_HOST_LINEAR_TILES");
+    if (force != nullptr && std::strcmp(force, "wide") == 0) return true;
+    if (force != nullptr && std::strcmp(force, "narrow") == 0) return false;
 #if defined(__GNUC__) && defined(__x86_64__)
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
+    return static_cast<bool>(__builtin_cpu_supports("avx512f"));
 #else
-  return true;
+    return true;
 #endif
+  }();
+  return wide;
 }
 
 template <class W>
-DPARA_RT_INLINE void linear(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
-                            float* y) {
+DPARA_RT_INLINE void linear_wide(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
+                                 float* y) {
   const std::int64_t panels = (n + kPanel - 1) / kPanel;
-  const bool wide = wide_vectors();
   for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
     const std::int64_t r1 = std::min(m, r0 + kRowBlock);
     for (std::int64_t p = 0; p < panels; ++p) {
       const W* panel = packed + p * k * kPanel;
       const std::int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
       std::int64_t r = r0;
-      if (wide) {
-        for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * n + c0, n, cols);
-        for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * n + c0, n, cols);
-        for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * n + c0, n, cols);
-        continue;
-      }
-      const std::int64_t r6 = r0 + (r1 - r0) / 6 * 6;
-      for (std::int64_t h = 0; h < cols; h += 16)
-        for (r = r0; r < r6; r += 6)
-          tile8<6, 2>(x + r * k, k, panel + h, y + r * n + c0 + h, n, std::min<std::int64_t>(16, cols - h));
-      r = r6;
-      if (r1 - r >= 3) {  // 3..5 rows left: one tile of them per 16 columns
-        for (std::int64_t h = 0; h < cols; h += 16) {
-          const std::int64_t hc = std::min<std::int64_t>(16, cols - h);
-          float* out = y + r * n + c0 + h;
-          if (r1 - r == 5) tile8<5, 2>(x + r * k, k, panel + h, out, n, hc);
-          else if (r1 - r == 4) tile8<4, 2>(x + r * k, k, panel + h, out, n, hc);
-          else tile8<3, 2>(x + r * k, k, panel + h, out, n, hc);
-        }
-        r = r1;
-      }
-      if (r1 - r == 2) tile8<2, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
-      else if (r < r1) tile8<1, 4>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * n + c0, n, cols);
     }
   }
+}
+
+// MR rows (3..6) over one 16-column group of panel p.
+template <int MR, class W>
+DPARA_RT_INLINE void rows_by_group(const float* x, std::int64_t k, const W* panel, float* y, std::int64_t n,
+                                   std::int64_t c0, std::int64_t cols) {
+  for (std::int64_t h = 0; h < cols; h += 16) {
+    const W* const group[1] = {panel + h};
+    tile8<MR, 1>(x, k, group, y + c0 + h, n, std::min<std::int64_t>(16, cols - h));
+  }
+}
+
+template <class W>
+DPARA_RT_INLINE void linear_narrow(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
+                                   float* y) {
+  const std::int64_t panels = (n + kPanel - 1) / kPanel;
+  auto panel_at = [&](std::int64_t p) { return packed + p * k * kPanel; };
+  for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const std::int64_t r1 = std::min(m, r0 + kRowBlock), r6 = r0 + (r1 - r0) / 6 * 6, left = r1 - r6;
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const std::int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
+      for (std::int64_t r = r0; r < r6; r += 6) rows_by_group<6>(x + r * k, k, panel_at(p), y + r * n, n, c0, cols);
+      const float* xr = x + r6 * k;
+      float* yr = y + r6 * n;
+      if (left == 5) rows_by_group<5>(xr, k, panel_at(p), yr, n, c0, cols);
+      else if (left == 4) rows_by_group<4>(xr, k, panel_at(p), yr, n, c0, cols);
+      else if (left == 3) rows_by_group<3>(xr, k, panel_at(p), yr, n, c0, cols);
+      else if (left == 2) {
+        const W* const group[2] = {panel_at(p), panel_at(p) + 16};
+        tile8<2, 2>(xr, k, group, yr + c0, n, cols);
+      } else if (left == 1 && p % 2 == 0) {  // one row: two panels at once (the last one alone if unpaired)
+        if (p + 1 < panels) {
+          const W* const group[4] = {panel_at(p), panel_at(p) + 16, panel_at(p + 1), panel_at(p + 1) + 16};
+          tile8<1, 4>(xr, k, group, yr + c0, n, std::min(2 * kPanel, n - c0));
+        } else {
+          const W* const group[2] = {panel_at(p), panel_at(p) + 16};
+          tile8<1, 2>(xr, k, group, yr + c0, n, cols);
+        }
+      }
+    }
+  }
+}
+
+template <class W>
+DPARA_RT_INLINE void linear(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
+                            float* y) {
+  if (wide_vectors()) linear_wide(x, m, k, packed, n, y);
+  else linear_narrow(x, m, k, packed, n, y);
 }
 
 DPARA_RT_LINEAR_HOT void linear_bf16(const float* x, std::int64_t m, std::int64_t k, const std::uint16_t* packed,
@@ -196,13 +234,14 @@ void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* pack
                             " is not a bfloat16 value; pack this layer as float32");
     }
   }
+  const bool bf16 = packed_dtype == DType::bfloat16;
   auto fill = [&](auto* out, auto convert) {
     std::fill(out, out + elems, convert(0.0f));
     for (std::int64_t c = 0; c < n; ++c)
       for (std::int64_t kk = 0; kk < k; ++kk)
-        out[((c / kPanel) * k + kk) * kPanel + c % kPanel] = convert(w[c * k + kk]);
+        out[((c / kPanel) * k + kk) * kPanel + packed_position(c % kPanel, bf16)] = convert(w[c * k + kk]);
   };
-  if (packed_dtype == DType::bfloat16) {
+  if (bf16) {
     fill(static_cast<std::uint16_t*>(packed), [](float v) {
       std::uint32_t bits;
       std::memcpy(&bits, &v, sizeof bits);

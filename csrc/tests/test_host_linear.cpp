@@ -31,11 +31,11 @@ std::vector<std::uint8_t> pack(const F& w, std::int64_t n, std::int64_t k, DType
 }
 
 void test_exact_against_the_definition() {
-  // Every tile height: 8 + 4 + 1 (AVX-512), and 6-row blocks with 0..5 rows left over (AVX2), past a 64-row
-  // block too.
+  // Every tile height: 8 + 4 + 1 (wide), and 6-row blocks with 0..5 rows left over (narrow), past a 64-row
+  // block too; a row left alone pairs panels, with an odd panel count (77, 100 columns) and an even one (64).
   for (DType dtype : {DType::float32, DType::bfloat16})
     for (std::int64_t m : {1, 2, 3, 4, 5, 7, 13, 69})
-      for (std::int64_t n : {1, 31, 32, 77}) {
+      for (std::int64_t n : {1, 31, 32, 64, 77, 100}) {
         const std::int64_t k = 37;
         const F w = dyadic(n * k, 7u + n), x = dyadic(m * k, 11u);
         const auto packed = pack(w, n, k, dtype);
@@ -53,20 +53,24 @@ void test_exact_against_the_definition() {
 }
 
 void test_a_row_does_not_depend_on_its_neighbours() {
-  // Inexact values (thirds), so a different summation order would show.
-  const std::int64_t n = 70, k = 300, m = 21;
-  F w(n * k), x(m * k);
-  for (std::int64_t i = 0; i < n * k; ++i) w[i] = static_cast<float>((i % 17) - 8) / 3.0f;
-  for (std::int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>((i * 7 % 23) - 11) / 3.0f;
-  const auto packed = pack(w, n, k, DType::float32);
-  F all(m * n), one(n);
-  host_linear(x.data(), m, k, packed.data(), DType::float32, n, all.data());
-  bool same = true;
-  for (std::int64_t i = 0; i < m; ++i) {
-    host_linear(x.data() + i * k, 1, k, packed.data(), DType::float32, n, one.data());
-    same &= std::memcmp(one.data(), all.data() + i * n, sizeof(float) * n) == 0;
-  }
-  CHECK(same);
+  // Inexact inputs (thirds), so a different summation order would show; quarters as weights, exact in bf16.
+  const std::int64_t n = 70, k = 300;
+  F w(n * k);
+  for (std::int64_t i = 0; i < n * k; ++i) w[i] = static_cast<float>((i % 17) - 8) / 4.0f;
+  for (DType dtype : {DType::float32, DType::bfloat16})
+    for (std::int64_t m : {7, 21}) {
+      F x(m * k);
+      for (std::int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>((i * 7 % 23) - 11) / 3.0f;
+      const auto packed = pack(w, n, k, dtype);
+      F all(m * n), one(n);
+      host_linear(x.data(), m, k, packed.data(), dtype, n, all.data());
+      bool same = true;
+      for (std::int64_t i = 0; i < m; ++i) {
+        host_linear(x.data() + i * k, 1, k, packed.data(), dtype, n, one.data());
+        same &= std::memcmp(one.data(), all.data() + i * n, sizeof(float) * n) == 0;
+      }
+      CHECK(same);
+    }
 }
 
 void test_refusals() {

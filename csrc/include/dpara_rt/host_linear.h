@@ -16,7 +16,8 @@
 namespace dpara_rt {
 
 // Output columns per packed panel: the packed weight is [ceil(N / kHostLinearPanel)][K][kHostLinearPanel],
-// the last panel padded with zeros.
+// the last panel padded with zeros. A bfloat16 panel row interleaves each group of 16 columns (column j beside
+// column j + 8) so that one load gives two float vectors; a float32 one keeps them in order.
 constexpr std::int64_t kHostLinearPanel = 32;
 
 // Elements of the packed weight for an n x k layer (n output features, k input features).
