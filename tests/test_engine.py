@@ -11,6 +11,7 @@ from dpara_rt.methods import AUTO_CANDIDATES, VARIANTS, variant, variant_name
 from dpara_rt.methods.options import ring_for
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
+from dpara_rt.stats import Stats
 from engine_pairs import flaky, predictable_pair
 
 SPEC = ["dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-logits", "dpara-hidden"]
@@ -179,6 +180,34 @@ def test_auto_picks_a_method_per_batch_size_and_stays_exact(pair):
         assert out.tokens == ar_reference(target, prompts, 20)
         assert eng.auto_choices[batch] in AUTO_CANDIDATES
         assert out.stats.method == f"auto({eng.auto_choices[batch]})"
+
+
+@pytest.mark.parametrize("fastest", ["ar", "dspark", "dpara-logits", "dpara-hidden"])
+def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, fastest):
+    """The rule itself, on recorded measurements: (verify + exposed draft) / tau, each candidate's best of its
+    three turns. AR is a candidate: where verification is compute-bound, speculation loses to it."""
+    target, drafter = pair
+    eng = Engine(target, drafter, method="auto", d=5)
+    turns = dict.fromkeys(AUTO_CANDIDATES, 0)
+
+    def measured(ticket, method, opts, prompts, trace, admission=None):
+        name = eng._variant(method, opts)
+        turns[name] += 1
+        # Speculative candidates: 3 ms + 2 ms per round at tau 2.5 (2 ms a token); AR: 1.9 ms a token, slower
+        # on its first turn. The fastest one is made cheaper on its third turn only (best of three counts).
+        per_round, tau = (1.9, 1.0) if name == "ar" else (5.0, 2.5)
+        if name == "ar" and turns[name] == 1:
+            per_round = 9.0
+        if name == fastest and turns[name] == 3:
+            per_round *= 0.5
+        eng.last_stats = Stats(method=name, batch=len(prompts), d=opts.d, temperature=0.0, tau=tau,
+                               verify_ms=per_round - 1.0, exposed_draft_ms=1.0)
+        yield from ()
+
+    eng._decode = measured
+    choice = eng.auto_choice(prompts_for(2, seed=3), eng.options(20), ticket=None)
+    assert choice == fastest and eng.auto_choices == {2: fastest}
+    assert turns == {name: 3 for name in ("ar", "dspark", "dpara-logits", "dpara-hidden")}
 
 
 @pytest.mark.parametrize("worker", ["thread", "process"])

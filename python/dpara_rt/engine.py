@@ -195,10 +195,10 @@ class Engine:
 
     def auto_choice(self, prompts: list[list[int]], opts: DecodeOptions, ticket: "_Ticket") -> str:
         """Adaptive mode: the first time a batch size is seen, time short runs of each candidate variant
-        (dspark, dpara with either ring) on these prompts with the engine's placement, and keep the one with the
-        least time per committed token in steady state: (verify + exposed draft) per round over tau, which leaves
-        out the prefill and the first round (drafted serially by every method), both the same for all and most
-        of a short run's noise. The candidates take turns three times and each keeps its best run, so the first
+        (ar, dspark, dpara with either ring) on these prompts with the engine's placement, and keep the one with
+        the least time per committed token in steady state: (verify + exposed draft) per round over tau, which
+        leaves out the prefill and the first round (drafted serially by every speculative method), both the same
+        for all and most of a short run's noise. The candidates take turns three times and each keeps its best run, so the first
         turn's warm-up (a drafter worker's first calls, cold caches), measured slower for every candidate, does not
         decide."""
         B = len(prompts)

@@ -30,7 +30,8 @@ METHODS = {
     "dpara": Method(dpara.run, needs_drafter=True, parallel=True, worker=True),
 }
 AUTO = "auto"                          # adaptive: profiles these per batch size and keeps the faster
-AUTO_CANDIDATES = ("dspark", "dpara-logits", "dpara-hidden")  # variant names
+# variant names; AR among them: where verification is compute-bound (large batches on the host) it wins
+AUTO_CANDIDATES = ("ar", "dspark", "dpara-logits", "dpara-hidden")
 
 # name -> Engine keyword arguments
 VARIANTS = {
