@@ -178,10 +178,11 @@ def test_a_dead_worker_fails_its_decode_and_the_engine_starts_another(pair):
     assert not eng._worker.alive
 
 
-def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, monkeypatch):
+@pytest.mark.parametrize("ring", ["logits", "hidden"])
+def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, ring, monkeypatch):
     """With a drafter worker, a sampled head whose noise was drawn ahead drafts alone and the worker computes the
-    draft's q beside verification (noise_ahead.WorkerQ): the outputs equal a thread decode's, whose head
-    computes q itself."""
+    draft's q beside verification (noise_ahead.WorkerQ), from the ring slot or, with the hidden ring, from branch
+    r as the head projected it: the outputs equal a thread decode's, whose head computes q itself."""
     from dpara_rt import noise_ahead
     target, drafter = pair
     prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
@@ -190,7 +191,7 @@ def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, monkeyp
     monkeypatch.setattr(noise_ahead.PendingQ, "take", lambda self: halves.append(self.half) or take(self))
     out = {}
     for mode in ("thread", "process"):
-        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="logits", drafter_worker=mode)
+        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring=ring, drafter_worker=mode)
         try:
             out[mode] = [eng.generate(prompts, 24, temperature=t, seed=5, top_p=top_p)
                          for t, top_p in ((1.0, 1.0), (0.7, 0.9))]

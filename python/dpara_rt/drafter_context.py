@@ -137,7 +137,8 @@ class WorkerContext:
 
     def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
         """A float32 buffer in shared memory (a memfd mapped here and in the worker): the head's noise drawn
-        ahead ("noise") or the q the worker computes for a draft ("q")."""
+        ahead ("noise"), the q the worker computes for a draft ("q"), the hidden ring's projected branch
+        ("branch")."""
         nbytes = 4 * math.prod(shape)
         fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
         try:
@@ -148,11 +149,12 @@ class WorkerContext:
             os.close(fd)
         return torch.frombuffer(self._maps[name], dtype=torch.float32).view(shape)
 
-    def markov_q(self, slot: int, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor, temperature: float,
-                 markov: bool, half: int) -> None:
-        """Have the worker compute the q of a draft the head made without it (HostMarkovHead.q, from ring slot
-        `slot`) into half `half` of the shared "q" buffer, before its next call; ``wait_q`` waits for it."""
-        self.worker.post("markov_q", slot, r.tolist(), bonus.tolist(), draft.tolist(), temperature, markov, half)
+    def markov_q(self, source: tuple[str, int], r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor,
+                 temperature: float, markov: bool, half: int) -> None:
+        """Have the worker compute the q of a draft the head made without it (HostMarkovHead.q, from ring slot i
+        for ``("ring", i)``, from half i of the shared "branch" buffer for ``("branch", i)``) into half `half` of
+        the shared "q" buffer, before its next call; ``wait_q`` waits for it."""
+        self.worker.post("markov_q", *source, r.tolist(), bonus.tolist(), draft.tolist(), temperature, markov, half)
 
     def _collect_through(self, ops: tuple[str, ...]) -> list:
         """The worker's replies in order, up to and including the first of `ops` (all pending ones if none is)."""
@@ -388,11 +390,12 @@ class _Worker:
             _, batch, d, vocab = self._shared["noise"].shape
             gumbel_noise(batch, d, vocab, seed, offset, out=self._shared["noise"][half])
 
-    def markov_q(self, slot: int, r: list[int], bonus: list[int], draft: list[list[int]], temperature: float,
-                 markov: bool, half: int) -> None:
+    def markov_q(self, source: str, index: int, r: list[int], bonus: list[int], draft: list[list[int]],
+                 temperature: float, markov: bool, half: int) -> None:
         # The same head (the drafter's fp32 factors) as the caller's: q bit for bit as its sampling call made it
         head = self.drafter.markov_head(markov)
-        head.q(self._slots[slot], torch.tensor(r), torch.tensor(bonus), torch.tensor(draft), temperature,
+        boundary = self._slots[index] if source == "ring" else self._shared["branch"][index][:, None]
+        head.q(boundary, torch.tensor(r), torch.tensor(bonus), torch.tensor(draft), temperature,
                out=self._shared["q"][half])
 
     def map_shared(self, name: str, shape: tuple, conn) -> None:

@@ -52,20 +52,33 @@ class NoiseAhead:
 class WorkerQ:
     """q [B, d, V] of a sampled DPara draft, computed by the drafter worker beside verification. With its noise
     drawn ahead, the head on the critical path only drafts (the arg-max of z + g, pruned by the same bound as a
-    greedy step), and the worker computes q from the same ring slot, (r, bonus) and draft (HostMarkovHead.q):
-    bit for bit the q the head would have returned, ready long before the target's forward ends."""
+    greedy step), and the worker computes q from the logits the head drafted from, (r, bonus) and the draft
+    (HostMarkovHead.q): bit for bit the q the head would have returned, ready long before the target's forward
+    ends. Those logits are a ring slot's (the logits ring) or, with the hidden ring, branch r's rows as the head
+    projected them into a buffer the worker maps too (``branch``)."""
 
     def __init__(self, context):
         self.context = context
         self.buffer: torch.Tensor | None = None  # [2, B, d, V] float32, from context.shared_buffer("q", ...)
+        self._branch: torch.Tensor | None = None  # [2, B, d, V] float32: the hidden ring's projected branch r
 
-    def post(self, slot: int, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor, vocab: int,
+    def branch(self, batch: int, d: int, vocab: int, call: int) -> tuple[torch.Tensor, tuple[str, int]]:
+        """Hidden ring: where head call `call` projects branch r's rows ([B, d, V], mapped by the worker too), and
+        that place as ``post`` takes it."""
+        shape = (2, batch, d, vocab)
+        if self._branch is None or tuple(self._branch.shape) != shape:
+            self._branch = self.context.shared_buffer("branch", shape)
+        half = call % 2  # read by the worker before this call's verify ends; written again two calls later
+        return self._branch[half], ("branch", half)
+
+    def post(self, source: tuple[str, int], r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor, vocab: int,
              temperature: float, markov: bool, call: int) -> "PendingQ":
+        """Have the worker compute the q of `draft`, drafted from ``("ring", slot)`` or ``("branch", half)``."""
         shape = (2, *draft.shape, vocab)
         if self.buffer is None or tuple(self.buffer.shape) != shape:
             self.buffer = self.context.shared_buffer("q", shape)
         half = call % 2  # the verify reading this half ends before the call after next writes it again
-        self.context.markov_q(slot, r, bonus, draft, temperature, markov, half)
+        self.context.markov_q(source, r, bonus, draft, temperature, markov, half)
         return PendingQ(self, half)
 
 

@@ -285,15 +285,15 @@ class Decoder:
         return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event())
 
     def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor,
-               slot: int | None = None) -> tuple[Tensor, Tensor | PendingQ | None]:
+               q_from: tuple[str, int] | None = None) -> tuple[Tensor, Tensor | PendingQ | None]:
         """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus: (draft [B, n], q).
 
         One batched head call when the batch shares one temperature and one seed. Otherwise (per-request
         temperatures or seeds) the head runs once per row with that row's temperature: with per-request seeds
         under the row's seed at the row's own call count (what the request alone would draw), with one seed at offset
         calls + (b << 40) (a stream of its own per row). A greedy row of a sampled batch gets q one-hot at its
-        draft token, which verification against its one-hot p accepts exactly when AR greedy would. `slot`: the
-        ring slot `boundary` is, from which a drafter worker computes q beside verification (noise_ahead.WorkerQ)."""
+        draft token, which verification against its one-hot p accepts exactly when AR greedy would. `q_from`: where
+        a drafter worker finds `boundary` to compute q beside verification (noise_ahead.WorkerQ.post)."""
         dev = boundary.device
         self._markov_calls += 1  # each call draws fresh Gumbel noise
         r, bonus = r.to(dev), bonus.to(dev)
@@ -301,10 +301,10 @@ class Decoder:
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
             seed = opts.seed[0] if opts.per_request_seeds else opts.seed
             noise = self.noise.take(len(r), seed, self._markov_calls) if opts.sampling else None
-            if noise is not None and slot is not None and self.worker_q is not None:
+            if noise is not None and q_from is not None and self.worker_q is not None:
                 draft, _ = self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise,
                                              with_q=False)
-                return draft, self.worker_q.post(slot, r, bonus, draft, boundary.shape[-1], self._head_temps[0],
+                return draft, self.worker_q.post(q_from, r, bonus, draft, boundary.shape[-1], self._head_temps[0],
                                                  self._markov_enabled, self._markov_calls)
             if noise is not None:
                 return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise)
@@ -390,11 +390,16 @@ class Decoder:
         try:
             boundary = self._slots[slot]
             if self.ring_logits:
-                return self.markov(boundary, r, bonus, slot)
+                return self.markov(boundary, r, bonus, ("ring", slot))
             rows = boundary[torch.arange(len(r)), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
+            out = q_from = None
+            if self.worker_q is not None and self.opts.sampling and not self._head_per_row:
+                # projected where the worker reads it: it computes the draft's q from there (markov)
+                out, q_from = self.worker_q.branch(*rows.shape[:2], self.drafter.config.vocab_size,
+                                                   self._markov_calls + 1)
             with torch.inference_mode():  # grad mode is per thread: without this the host projection is torch's
-                logits = self.drafter.logits(rows)
-            return self.markov(logits[:, None], torch.zeros_like(r), bonus)
+                logits = self.drafter.logits(rows, out=out)
+            return self.markov(logits[:, None], torch.zeros_like(r), bonus, q_from)
         finally:
             self.ring.release(slot, self.head_lane.record())
 
