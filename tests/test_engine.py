@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from dpara_rt.engine import Engine
+from dpara_rt.engine import AUTO_TURNS, Engine
 from dpara_rt.methods import AUTO_CANDIDATES, VARIANTS, variant, variant_name
 from dpara_rt.methods.options import ring_for
 from dpara_rt.models.autoregressive import generate_ar
@@ -185,7 +185,7 @@ def test_auto_picks_a_method_per_batch_size_and_stays_exact(pair):
 @pytest.mark.parametrize("fastest", ["ar", "dspark", "dpara-logits", "dpara-hidden"])
 def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, fastest):
     """The rule itself, on recorded measurements: (verify + exposed draft) / tau, each candidate's best of its
-    three turns. AR is a candidate: where verification is compute-bound, speculation loses to it."""
+    turns. AR is a candidate: where verification is compute-bound, speculation loses to it."""
     target, drafter = pair
     eng = Engine(target, drafter, method="auto", d=5)
     turns = dict.fromkeys(AUTO_CANDIDATES, 0)
@@ -194,11 +194,11 @@ def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, 
         name = eng._variant(method, opts)
         turns[name] += 1
         # Speculative candidates: 3 ms + 2 ms per round at tau 2.5 (2 ms a token); AR: 1.9 ms a token, slower
-        # on its first turn. The fastest one is made cheaper on its third turn only (best of three counts).
+        # on its first turn. The fastest one is made cheaper on its last turn only (the best turn counts).
         per_round, tau = (1.9, 1.0) if name == "ar" else (5.0, 2.5)
         if name == "ar" and turns[name] == 1:
             per_round = 9.0
-        if name == fastest and turns[name] == 3:
+        if name == fastest and turns[name] == AUTO_TURNS:
             per_round *= 0.5
         eng.last_stats = Stats(method=name, batch=len(prompts), d=opts.d, temperature=0.0, tau=tau,
                                verify_ms=per_round - 1.0, exposed_draft_ms=1.0)
@@ -207,7 +207,7 @@ def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, 
     eng._decode = measured
     choice = eng.auto_choice(prompts_for(2, seed=3), eng.options(20), ticket=None)
     assert choice == fastest and eng.auto_choices == {2: fastest}
-    assert turns == {name: 3 for name in ("ar", "dspark", "dpara-logits", "dpara-hidden")}
+    assert turns == {name: AUTO_TURNS for name in ("ar", "dspark", "dpara-logits", "dpara-hidden")}
 
 
 @pytest.mark.parametrize("worker", ["thread", "process"])

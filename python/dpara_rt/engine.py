@@ -40,6 +40,7 @@ from dpara_rt.stats import Stats, summarize
 
 MAX_BATCH = 16  # the default batch limit; serving derives one from memory (batch_for_memory)
 GIL_SWITCH_S = 2e-4
+AUTO_TURNS = 2  # timed runs per auto candidate (each keeps its best)
 _CACHE_GRANULE = 256  # the KV cache grows in steps of this many tokens
 
 
@@ -198,14 +199,16 @@ class Engine:
         (ar, dspark, dpara with either ring) on these prompts with the engine's placement, and keep the one with
         the least time per committed token in steady state: (verify + exposed draft) per round over tau, which
         leaves out the prefill and the first round (drafted serially by every speculative method), both the same
-        for all and most of a short run's noise. The candidates take turns three times and each keeps its best run, so the first
-        turn's warm-up (a drafter worker's first calls, cold caches), measured slower for every candidate, does not
-        decide."""
+        for all and most of a short run's noise. The candidates take turns twice and each keeps its better run, so
+        the first turn's warm-up (a drafter worker's first calls, cold caches), measured slower for every
+        candidate, does not decide. A run is 8 (d + 1) new tokens: with 4 (d + 1), a speculative run's handful of
+        rounds still carried its first ones (a cold drafter, the lower acceptance at a prompt's start) and AR,
+        timed over as many tokens in four times the rounds, looked faster than it is."""
         B = len(prompts)
         if B not in self.auto_choices:
-            short = dataclasses.replace(opts, max_new_tokens=min(4 * (opts.d + 1), opts.max_new_tokens))
+            short = dataclasses.replace(opts, max_new_tokens=min(8 * (opts.d + 1), opts.max_new_tokens))
             cost = dict.fromkeys(AUTO_CANDIDATES, float("inf"))
-            for _ in range(3):
+            for _ in range(AUTO_TURNS):
                 for name in AUTO_CANDIDATES:
                     for _ in self._decode(ticket, *_with_variant(name, short), prompts, False):
                         pass
