@@ -193,7 +193,7 @@ def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, 
     def measured(ticket, method, opts, prompts, trace, admission=None):
         name = eng._variant(method, opts)
         turns[name] += 1
-        # Speculative candidates: 3 ms + 2 ms per round at tau 2.5 (2 ms a token); AR: 1.9 ms a token, slower
+        # Speculative candidates: 5 ms a round at tau 2.5 (2 ms a token); AR: 1.9 ms a token, slower
         # on its first turn. The fastest one is made cheaper on its last turn only (the best turn counts).
         per_round, tau = (1.9, 1.0) if name == "ar" else (5.0, 2.5)
         if name == "ar" and turns[name] == 1:

@@ -76,12 +76,15 @@ DPARA_RT_INLINE void tile(const float* x, std::int64_t k_dim, const W* panel, fl
       acc[m][1] += xv * w1;
     }
   }
-  // A 16-lane load of a bf16 panel row covers both groups: w0 = columns 0-7 and 16-23, w1 = 8-15 and 24-31.
+  // Column c sits where packing put it: a bf16 row's packed position p is lane p / 2 of w0 (p even) or w1 (odd),
+  // so w0 holds columns 0-7 and 16-23, w1 8-15 and 24-31; a float32 row's is lane p % 16 of w[p / 16].
   constexpr bool kInterleaved = sizeof(W) == 2;
   for (int m = 0; m < MR; ++m) {
     float tmp[kPanel];
-    for (int c = 0; c < kPanel; ++c)
-      tmp[c] = kInterleaved ? acc[m][c % 16 / 8][c / 16 * 8 + c % 8] : acc[m][c / kHalf][c % kHalf];
+    for (int c = 0; c < kPanel; ++c) {
+      const std::int64_t at = packed_position(c, kInterleaved);
+      tmp[c] = kInterleaved ? acc[m][at % 2][at / 2] : acc[m][at / kHalf][at % kHalf];
+    }
     std::memcpy(y + m * n, tmp, sizeof(float) * cols);  // the last panel's zero padding is not written
   }
 }
@@ -145,7 +148,7 @@ DPARA_RT_INLINE void linear_wide(const float* x, std::int64_t m, std::int64_t k,
   }
 }
 
-// MR rows (3..6) over one 16-column group of panel p.
+// MR rows (3..6) over a panel, one 16-column group at a time.
 template <int MR, class W>
 DPARA_RT_INLINE void rows_by_group(const float* x, std::int64_t k, const W* panel, float* y, std::int64_t n,
                                    std::int64_t c0, std::int64_t cols) {
