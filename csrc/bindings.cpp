@@ -413,7 +413,8 @@ PYBIND11_MODULE(_core, m) {
                                const I64Array& bonus, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,
                                double temperature, std::uint64_t seed, std::uint64_t offset,
                                const py::object& draft_out, std::uintptr_t q_ptr, std::uintptr_t w2t_ptr,
-                               const std::string& w2t_dtype, std::uintptr_t w2_norms_ptr, std::uintptr_t noise_ptr) {
+                               const std::string& w2t_dtype, std::uintptr_t w2_norms_ptr, std::uintptr_t noise_ptr,
+                               MarkovBiasCache* cache) {
         const DType dtype = parse_dtype(boundary_dtype), w2t = parse_dtype(w2t_dtype);
         const std::int64_t* r_data = expect_shape(r, {batch}, "r");
         const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
@@ -425,21 +426,23 @@ PYBIND11_MODULE(_core, m) {
                          r_data, bonus_data, reinterpret_cast<const float*>(w1_ptr),
                          reinterpret_cast<const float*>(w2_ptr), rank, temperature, seed, offset, draft,
                          reinterpret_cast<float*>(q_ptr), reinterpret_cast<const void*>(w2t_ptr), w2t,
-                         reinterpret_cast<const float*>(w2_norms_ptr), reinterpret_cast<const float*>(noise_ptr));
+                         reinterpret_cast<const float*>(w2_norms_ptr), reinterpret_cast<const float*>(noise_ptr),
+                         cache);
       }, py::arg("boundary_ptr"), py::arg("boundary_dtype"), py::arg("batch"), py::arg("n_rows"), py::arg("d"),
       py::arg("vocab"), py::arg("r"), py::arg("bonus"), py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("rank"),
       py::arg("temperature"), py::arg("seed"), py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"),
       py::arg("w2t_ptr") = 0, py::arg("w2t_dtype") = "float32", py::arg("w2_norms_ptr") = 0, py::arg("noise_ptr") = 0,
+      py::arg("cache") = nullptr,
       "Host Markov head over contiguous boundary [B, n_rows, d, V] and float32 W1 [V, R], W2 [R, V]: writes "
       "draft_out [B, d] (and q [B, d, V] at q_ptr when temperature > 0; q_ptr 0 when greedy, or when sampling "
       "with noise_ptr: the draft alone, pruned, its q from markov_q_host). w2t_ptr / "
       "w2_norms_ptr: W2 transposed [V, R] (float32, or bfloat16 holding W2 exactly) and its column norms (rounded "
       "up) for bound-pruned greedy steps, or 0. noise_ptr: the call's Gumbel noise [B, d, V] float32 from "
-      "gumbel_noise_host (sampling only), or 0 to draw it here.");
+      "gumbel_noise_host (sampling only), or 0 to draw it here. cache: a MarkovBiasCache of these W1 / W2, or None.");
   m.def("markov_q_host", [](std::uintptr_t boundary_ptr, const std::string& boundary_dtype, std::int64_t batch,
                             std::int64_t n_rows, int d, std::int64_t vocab, const I64Array& r, const I64Array& bonus,
                             const I64Array& draft, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,
-                            double temperature, std::uintptr_t q_ptr) {
+                            double temperature, std::uintptr_t q_ptr, MarkovBiasCache* cache) {
         const DType dtype = parse_dtype(boundary_dtype);
         const std::int64_t* r_data = expect_shape(r, {batch}, "r");
         const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
@@ -449,11 +452,28 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release nogil;
         markov_q_host(reinterpret_cast<const void*>(boundary_ptr), dtype, batch, n_rows, d, vocab, row_stride, r_data,
                       bonus_data, draft_data, reinterpret_cast<const float*>(w1_ptr),
-                      reinterpret_cast<const float*>(w2_ptr), rank, temperature, reinterpret_cast<float*>(q_ptr));
+                      reinterpret_cast<const float*>(w2_ptr), rank, temperature, reinterpret_cast<float*>(q_ptr), cache);
       }, py::arg("boundary_ptr"), py::arg("boundary_dtype"), py::arg("batch"), py::arg("n_rows"), py::arg("d"),
       py::arg("vocab"), py::arg("r"), py::arg("bonus"), py::arg("draft"), py::arg("w1_ptr"), py::arg("w2_ptr"),
-      py::arg("rank"), py::arg("temperature"), py::arg("q_ptr"),
+      py::arg("rank"), py::arg("temperature"), py::arg("q_ptr"), py::arg("cache") = nullptr,
       "q [B, d, V] (at q_ptr) of the sampling markov_head_host call that drafted draft [B, d], bit for bit.");
+  // The factors arrive as data_ptr() integers: dpara_rt.native.HostMarkovHead keeps the tensors alive.
+  py::class_<MarkovBiasCache>(m, "MarkovBiasCache",
+                              "Bias rows W1[x] @ W2 kept for the tokens x a Markov head drafted from lately.")
+      .def(py::init([](std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t vocab, std::int64_t rank,
+                       std::int64_t capacity) {
+             return new MarkovBiasCache(reinterpret_cast<const float*>(w1_ptr), reinterpret_cast<const float*>(w2_ptr),
+                                        vocab, rank, capacity);
+           }), py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("vocab"), py::arg("rank"), py::arg("capacity"))
+      .def_property_readonly("capacity", &MarkovBiasCache::capacity)
+      .def_property_readonly("hits", [](MarkovBiasCache& c) {
+             std::lock_guard<std::mutex> lock(c.mutex());
+             return c.hits();
+           }, "Steps that found their token's row.")
+      .def_property_readonly("misses", [](MarkovBiasCache& c) {
+             std::lock_guard<std::mutex> lock(c.mutex());
+             return c.misses();
+           }, "Steps that computed their token's row.");
   m.def("gumbel_noise_host", [](std::uintptr_t out_ptr, std::int64_t batch, int d, std::int64_t vocab,
                                 std::uint64_t seed, std::uint64_t offset) {
         py::gil_scoped_release nogil;

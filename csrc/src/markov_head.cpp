@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <utility>
 #include <vector>
 
+#include "dpara_rt/markov_bias_cache.h"
 #include "markov_head_math.h"
 #include "util.h"
 
@@ -159,6 +161,19 @@ DPARA_RT_INLINE void accumulate1_rows(float* acc, std::int64_t tile, const RowSt
   }
 }
 
+// acc (count x tile) = a_b @ W2[:, v0 : v0 + n) for the rows of a tile, summed over k in order from 0.
+DPARA_RT_INLINE void accumulate_rows(float* acc, std::int64_t tile, const RowState* rows, int count, const float* w2,
+                                     std::int64_t rank, std::int64_t vocab, std::int64_t v0, std::int64_t n) {
+  std::fill_n(acc, std::size_t(count) * std::size_t(tile), 0.0f);
+  std::int64_t k = 0;
+  for (; k + 4 <= rank; k += 4) {
+    const float* p0 = w2 + k * vocab + v0;
+    const float *p1 = p0 + vocab, *p2 = p1 + vocab, *p3 = p2 + vocab;
+    accumulate4_rows(acc, tile, rows, count, k, p0, p1, p2, p3, n);
+  }
+  for (; k < rank; ++k) accumulate1_rows(acc, tile, rows, count, k, w2 + k * vocab + v0, n);
+}
+
 // One step of `count` requests together: each row's z becomes (z + a @ W2) * scale in place, and each row's
 // arg-max of z (+ noise) is left in its RowState. Tiled over the vocabulary so that all rows' bias
 // accumulators (count x tile floats, acc) stay in L1 while W2 streams through once per step for all of
@@ -170,14 +185,7 @@ DPARA_RT_HOT void step_rows(RowState* rows, int count, std::int64_t tile, const 
   for (int b = 0; b < count; ++b) rows[b].best = ArgMax();
   for (std::int64_t v0 = 0; v0 < vocab; v0 += tile) {
     const std::int64_t n = std::min(tile, vocab - v0);
-    std::fill_n(acc, std::size_t(count) * std::size_t(tile), 0.0f);
-    std::int64_t k = 0;
-    for (; k + 4 <= rank; k += 4) {
-      const float* p0 = w2 + k * vocab + v0;
-      const float *p1 = p0 + vocab, *p2 = p1 + vocab, *p3 = p2 + vocab;
-      accumulate4_rows(acc, tile, rows, count, k, p0, p1, p2, p3, n);
-    }
-    for (; k < rank; ++k) accumulate1_rows(acc, tile, rows, count, k, w2 + k * vocab + v0, n);
+    accumulate_rows(acc, tile, rows, count, w2, rank, vocab, v0, n);
     for (int b = 0; b < count; ++b) {
       RowState& row = rows[b];
       if (row.noise) finish_tile<true>(row.z, row.noise, acc + b * tile, v0, n, scale, row.best);
@@ -186,36 +194,63 @@ DPARA_RT_HOT void step_rows(RowState* rows, int count, std::int64_t tile, const 
   }
 }
 
-// step_rows for a single request, in plain loops that GCC vectorises and unroll-and-jams (eight W2 rows per
-// accumulator load and store), which is faster at count = 1 than the grouped form: z (the boundary row, as
-// float32) becomes (z + a @ W2) * scale in place; returns arg-max of z (+ noise). Same rounding per element.
+// acc[0, n) = a @ W2[:, v0 : v0 + n) for a single request, in plain loops that GCC vectorises and unroll-and-jams
+// (eight W2 rows per accumulator load and store), which is faster at one row than the grouped form. Same
+// rounding per element as accumulate4 / accumulate1.
+DPARA_RT_INLINE void accumulate_one(float* acc, const float* a, const float* w2, std::int64_t rank, std::int64_t vocab,
+                                    std::int64_t v0, std::int64_t n) {
+  std::fill_n(acc, n, 0.0f);  // the bias alone first, then z + bias: the reference's rounding order
+  std::int64_t k = 0;
+  for (; k + 4 <= rank; k += 4) {
+    const float* p0 = w2 + k * vocab + v0;
+    const float *p1 = p0 + vocab, *p2 = p1 + vocab, *p3 = p2 + vocab;
+    const float a0 = a[k], a1 = a[k + 1], a2 = a[k + 2], a3 = a[k + 3];
+    for (std::int64_t i = 0; i < n; ++i) acc[i] += a0 * p0[i] + a1 * p1[i] + a2 * p2[i] + a3 * p3[i];
+  }
+  for (; k < rank; ++k) {
+    const float* p0 = w2 + k * vocab + v0;
+    const float a0 = a[k];
+    for (std::int64_t i = 0; i < n; ++i) acc[i] += a0 * p0[i];
+  }
+}
+
+// step_rows for a single request: z (the boundary row, as float32) becomes (z + a @ W2) * scale in place;
+// returns arg-max of z (+ noise).
 DPARA_RT_HOT std::int64_t step(float* z, const float* noise, const float* a, const float* w2, std::int64_t rank,
                                std::int64_t vocab, float scale) {
   alignas(64) float acc[kTile];
   ArgMax best;
   for (std::int64_t v0 = 0; v0 < vocab; v0 += kTile) {
     const std::int64_t n = std::min(kTile, vocab - v0);
-    std::fill_n(acc, n, 0.0f);  // the bias alone first, then z + bias: the reference's rounding order
-    std::int64_t k = 0;
-    for (; k + 4 <= rank; k += 4) {
-      const float* p0 = w2 + k * vocab + v0;
-      const float *p1 = p0 + vocab, *p2 = p1 + vocab, *p3 = p2 + vocab;
-      const float a0 = a[k], a1 = a[k + 1], a2 = a[k + 2], a3 = a[k + 3];
-      for (std::int64_t i = 0; i < n; ++i) acc[i] += a0 * p0[i] + a1 * p1[i] + a2 * p2[i] + a3 * p3[i];
-    }
-    for (; k < rank; ++k) {
-      const float* p0 = w2 + k * vocab + v0;
-      const float a0 = a[k];
-      for (std::int64_t i = 0; i < n; ++i) acc[i] += a0 * p0[i];
-    }
+    accumulate_one(acc, a, w2, rank, vocab, v0, n);
     if (noise) finish_tile<true>(z, noise, acc, v0, n, scale, best);
     else finish_tile<false>(z, noise, acc, v0, n, scale, best);
   }
   return best.index();
 }
 
-// W2's transpose as float32, or as bfloat16 when that holds W2 exactly (a bf16 drafter's factors): half the
-// bytes to fetch for the same values.
+// The bias rows a_i @ W2 of `count` requests into out[i] (whole rows of vocab floats), with the arithmetic of
+// step / step_rows: a step that adds a stored row to z gets the bits it would have computed.
+DPARA_RT_HOT void bias_rows(const RowState* rows, float* const* out, int count, std::int64_t tile, const float* w2,
+                            std::int64_t rank, std::int64_t vocab) {
+  alignas(64) float acc[kAccFloats];
+  for (std::int64_t v0 = 0; v0 < vocab; v0 += tile) {
+    const std::int64_t n = std::min(tile, vocab - v0);
+    if (count == 1) accumulate_one(acc, rows[0].a, w2, rank, vocab, v0, n);
+    else accumulate_rows(acc, tile, rows, count, w2, rank, vocab, v0, n);
+    for (int b = 0; b < count; ++b) std::copy_n(acc + b * tile, n, out[b] + v0);
+  }
+}
+
+// One step of a request whose bias row is known: z becomes (z + bias) * scale; returns arg-max of z (+ noise).
+DPARA_RT_HOT std::int64_t step_with_bias(float* z, const float* noise, const float* bias, std::int64_t vocab,
+                                         float scale) {
+  ArgMax best;
+  if (noise) finish_tile<true>(z, noise, bias, 0, vocab, scale, best);
+  else finish_tile<false>(z, noise, bias, 0, vocab, scale, best);
+  return best.index();
+}
+
 template <class W> DPARA_RT_INLINE float w_at(const W* w, std::int64_t k);
 template <> DPARA_RT_INLINE float w_at<float>(const float* w, std::int64_t k) { return w[k]; }
 template <> DPARA_RT_INLINE float w_at<std::uint16_t>(const std::uint16_t* w, std::int64_t k) {
@@ -404,11 +439,33 @@ namespace {
 // The head's loop, shared by markov_head_host and markov_q_host. forced (q only): the draft is given, and each
 // step computes z and q exactly as the drafting call did, taking x_j from forced instead of the arg-max.
 // Pruned steps (w2t and w2_norms given, by a caller that wants no q) value only the arg-max's contenders.
+// One step of `count` requests with a bias cache: each row's bias comes from the cache, and the rows it does not
+// hold yet are computed together (W2 streamed once for them) into rows claimed for them.
+void cached_step(MarkovBiasCache& cache, RowState* rows, std::int64_t* x, int count, std::int64_t tile,
+                 const float* w2, std::int64_t rank, std::int64_t vocab, float scale) {
+  const float* bias[kBlockRows];
+  RowState missing[kBlockRows];
+  float* fill[kBlockRows];
+  int n_missing = 0;
+  cache.begin_step();
+  for (int i = 0; i < count; ++i) {
+    bias[i] = cache.find(x[i]);
+    if (!bias[i]) {
+      float* row = cache.claim(x[i]);  // a token twice in the batch finds this row for its second request
+      missing[n_missing] = rows[i];
+      fill[n_missing++] = row;
+      bias[i] = row;
+    }
+  }
+  if (n_missing) bias_rows(missing, fill, n_missing, tile, w2, rank, vocab);
+  for (int i = 0; i < count; ++i) x[i] = step_with_bias(rows[i].z, rows[i].noise, bias[i], vocab, scale);
+}
+
 void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
               std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
               const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
               std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t, DType w2t_dtype,
-              const float* w2_norms, const float* noise, const std::int64_t* forced) {
+              const float* w2_norms, const float* noise, const std::int64_t* forced, MarkovBiasCache* cache) {
   const bool sample = temperature > 0;
   const bool pruned = w2t && w2_norms;
   // float32(1/T) exactly as kernels/markov_head.py's inverse_temperature rounds it
@@ -418,6 +475,8 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
   // Requests go in blocks of up to kBlockRows, stepped together so that each step reads W2 once per block.
   const std::int64_t block = std::min(batch, kBlockRows);
   const std::int64_t tile = std::min(kTile, kAccFloats / block / 8 * 8);
+  std::unique_lock<std::mutex> lock;
+  if (cache) lock = std::unique_lock<std::mutex>(cache->mutex());
   // Per row of a block: its logits unless they go to q_out, or its Gumbel noise when drawn here.
   std::vector<float> scratch(static_cast<std::size_t>(block * vocab));
   RowState rows[kBlockRows];
@@ -447,7 +506,9 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
         rows[i].noise = forced ? nullptr : g;
         rows[i].a = w1 + x[i] * rank;
       }
-      if (pruned) {
+      if (cache) {
+        cached_step(*cache, rows, x, count, tile, w2, rank, vocab, scale);
+      } else if (pruned) {
         for (int i = 0; i < count; ++i)
           x[i] = w2t_dtype == DType::float32
                      ? step_pruned(rows[i].z, rows[i].noise, scale, rows[i].a, static_cast<const float*>(w2t),
@@ -471,13 +532,25 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
   }
 }
 
+// The cache a call uses: `cache` when it holds this head's rows and can give every request of a block its own row,
+// null when none is given. A cache of other factors is an error; one smaller than a block is left alone.
+MarkovBiasCache* usable_cache(MarkovBiasCache* cache, const float* w1, const float* w2, std::int64_t vocab,
+                              std::int64_t rank, std::int64_t batch) {
+  if (!cache) return nullptr;
+  if (cache->w1() != w1 || cache->w2() != w2 || cache->vocab() != vocab || cache->rank() != rank)
+    detail::value_error(kWhat, "the bias cache was built for w1 at ", cache->w1(), ", w2 at ", cache->w2(),
+                        ", vocab ", cache->vocab(), ", rank ", cache->rank(), "; this call has w1 at ", w1,
+                        ", w2 at ", w2, ", vocab ", vocab, ", rank ", rank, " (one cache per pair of factors)");
+  return cache->capacity() >= std::min(batch, kBlockRows) ? cache : nullptr;
+}
+
 }  // namespace
 
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
                       std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t,
-                      DType w2t_dtype, const float* w2_norms, const float* noise) {
+                      DType w2t_dtype, const float* w2_norms, const float* noise, MarkovBiasCache* cache) {
   check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
              draft_out, q_out, noise);
   if (batch == 0) return;
@@ -487,20 +560,21 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
     detail::value_error(kWhat, "w2t dtype ", dtype_name(w2t_dtype), ", expected float32 or bfloat16");
   const bool prune = w2t && w2_norms && !q_out;  // a sampling call that writes q needs every logit anyway
   run_head(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature, seed,
-           offset, draft_out, q_out, prune ? w2t : nullptr, w2t_dtype, prune ? w2_norms : nullptr, noise, nullptr);
+           offset, draft_out, q_out, prune ? w2t : nullptr, w2t_dtype, prune ? w2_norms : nullptr, noise, nullptr,
+           usable_cache(cache, w1, w2, vocab, rank, batch));
 }
 
 void markov_q_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                    std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                    const std::int64_t* draft, const float* w1, const float* w2, std::int64_t rank,
-                   double temperature, float* q_out) {
+                   double temperature, float* q_out, MarkovBiasCache* cache) {
   if (!(temperature > 0))
     detail::value_error(kWhat, "markov_q_host: temperature = ", temperature, ", expected > 0 (greedy has no q)");
   check_args(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature,
              draft, q_out, nullptr);
   for (std::int64_t i = 0; i < batch * d; ++i) check_index("draft", i, draft[i], vocab, "vocab");
   run_head(boundary, boundary_dtype, batch, n_rows, d, vocab, row_stride, r, bonus, w1, w2, rank, temperature, 0, 0,
-           nullptr, q_out, nullptr, DType::float32, nullptr, nullptr, draft);
+           nullptr, q_out, nullptr, DType::float32, nullptr, nullptr, draft, usable_cache(cache, w1, w2, vocab, rank, batch));
 }
 
 }  // namespace dpara_rt

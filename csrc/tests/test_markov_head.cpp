@@ -1,6 +1,6 @@
 // Host Markov head: Philox known answers, greedy steps by hand (every boundary dtype, ties), an exact
 // integer case across vocabulary tiles against a naive walk, sampling invariants, a sampled draft alone
-// (pruned) and its q from markov_q_host against the full call, argument validation.
+// (pruned) and its q from markov_q_host against the full call, the bias cache, argument validation.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -173,6 +173,37 @@ static void test_draft_alone_then_q_equals_the_full_call() {
   }
 }
 
+static void test_bias_cache() {
+  // The hand case through a cache: the same draft, the second call from kept rows only.
+  HandCase c;
+  const F f32{9, 0, 0, 0, 0, 9, 0, 0, 0.5f, 1, 3, 3};
+  MarkovBiasCache cache(c.w1.data(), c.w2.data(), 3, 1, 2);
+  for (int call = 0; call < 2; ++call) {
+    c.draft = I(2, -1);
+    markov_head_host(f32.data(), DType::float32, 1, 2, 2, 3, 6, c.r.data(), c.bonus.data(), c.w1.data(),
+                     c.w2.data(), 1, 0.0, 0, 0, c.draft.data(), nullptr, nullptr, DType::float32, nullptr, nullptr,
+                     &cache);
+    CHECK((c.draft == I{1, 1}));
+  }
+  CHECK(cache.misses() == 2 && cache.hits() == 2);  // tokens 0 and 1, each computed once
+  // Least recently used first, never a row the current step holds.
+  MarkovBiasCache two(c.w1.data(), c.w2.data(), 3, 1, 2);
+  two.begin_step();
+  const float* row0 = two.claim(0);
+  two.claim(1);
+  CHECK_THROWS(two.claim(2), std::invalid_argument, "all 2 rows are in use by this step");
+  two.begin_step();
+  CHECK(two.find(0) == row0);  // token 0 used now: token 1's row is the one replaced
+  CHECK(two.claim(2) != row0 && two.find(1) == nullptr && two.find(2) != nullptr);
+  // A cache belongs to one pair of factors; a bad capacity is named.
+  const F other_w1 = c.w1;
+  CHECK_THROWS(markov_head_host(f32.data(), DType::float32, 1, 2, 2, 3, 6, c.r.data(), c.bonus.data(),
+                                other_w1.data(), c.w2.data(), 1, 0.0, 0, 0, c.draft.data(), nullptr, nullptr,
+                                DType::float32, nullptr, nullptr, &cache),
+               std::invalid_argument, "one cache per pair of factors");
+  CHECK_THROWS(MarkovBiasCache(c.w1.data(), c.w2.data(), 3, 1, 0), std::invalid_argument, "capacity = 0 rows");
+}
+
 static void test_validation() {
   HandCase c;
   const F b(12, 0.0f);
@@ -219,6 +250,7 @@ int main() {
   test_integer_case_matches_naive_walk();
   test_sampling_invariants();
   test_draft_alone_then_q_equals_the_full_call();
+  test_bias_cache();
   test_validation();
   return check::finish("test_markov_head");
 }

@@ -34,6 +34,8 @@ def _cpu_tensor(name: str, t, ndim: int) -> None:
 
 def _check_stream(seed, offset) -> None:
     """seed and offset of a Philox stream: ints in [0, 2**64)."""
+    if type(seed) is int and type(offset) is int and 0 <= seed < _U64_LIMIT and 0 <= offset < _U64_LIMIT:
+        return
     for name, value in (("seed", seed), ("offset", offset)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < _U64_LIMIT:
             raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
@@ -41,6 +43,8 @@ def _check_stream(seed, offset) -> None:
 
 def _index_array(name: str, t: torch.Tensor, batch: int):
     """r / bonus as a contiguous int64 numpy array of [batch] (a view when they already are one)."""
+    if type(t) is torch.Tensor and t.dtype == torch.long and t.shape == (batch,) and t.is_cpu and t.is_contiguous():
+        return t.numpy()  # the per-round case: the head runs on the critical path, where each torch op counts
     _cpu_tensor(name, t, 1)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer indices, got {t.dtype}")
@@ -76,7 +80,8 @@ class HostMarkovHead:
     every extent and index again). ``bound`` (``markov_bound(w2)``, or True to build it) lets greedy steps
     compute exact values only for the tokens in reach of the arg-max: same drafts, less work."""
 
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, bound: MarkovBound | bool | None = None):
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, bound: MarkovBound | bool | None = None,
+                 cache_bytes: int = 0):
         for name, w in (("w1", w1), ("w2", w2)):
             _cpu_tensor(name, w, 2)
             if w.dtype != torch.float32 or not w.is_contiguous():
@@ -89,6 +94,12 @@ class HostMarkovHead:
         if bound and bound.w2 is not w2:
             raise ValueError("bound was built for another W2 (markov_bound(w2) of this head's w2 expected)")
         self.w1, self.w2, self.bound, self.vocab, self.rank = w1, w2, bound or None, vocab, rank
+        if not isinstance(cache_bytes, numbers.Integral) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes = {cache_bytes!r}, expected an int >= 0 (0: no bias cache)")
+        # Bias rows W1[x] @ W2 kept across calls (a step from a kept token skips its W2 product): at least a
+        # block of rows (32) per call, so that every request of a batch can hold its own.
+        rows = max(32, cache_bytes // (4 * vocab)) if cache_bytes else 0
+        self.cache = _core.MarkovBiasCache(w1.data_ptr(), w2.data_ptr(), vocab, rank, rows) if rows else None
 
     def __call__(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
                  seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None, with_q: bool = True):
@@ -115,7 +126,8 @@ class HostMarkovHead:
                                float(temperature), int(seed), int(offset), draft.numpy(),
                                0 if q is None else q.data_ptr(), pruned.w2t.data_ptr() if pruned else 0,
                                _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
-                               pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr())
+                               pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr(),
+                               self.cache)
         return draft, q
 
     def q(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor,
@@ -133,11 +145,16 @@ class HostMarkovHead:
         _host_buffer("out", out, torch.float32, (batch, d, vocab), "[B, d, V]")
         _core.markov_q_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, boundary.shape[1], d, vocab,
                             r_np, bonus_np, draft.contiguous().numpy(), self.w1.data_ptr(), self.w2.data_ptr(),
-                            self.rank, float(temperature), out.data_ptr())
+                            self.rank, float(temperature), out.data_ptr(), self.cache)
         return out
 
     def _check(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature):
         """(batch, d, vocab, r, bonus as int64 arrays) of a call's boundary [B, n_rows, d, V] and indices."""
+        if (type(boundary) is torch.Tensor and boundary.is_cpu and boundary.dim() == 4 and boundary.shape[3] == self.vocab
+                and boundary.dtype in _BOUNDARY_DTYPES and boundary.is_contiguous() and type(temperature) is float
+                and 0 <= temperature < math.inf):  # the per-round case in one expression; below, what is wrong
+            batch, _, d, vocab = boundary.shape
+            return batch, d, vocab, _index_array("r", r, batch), _index_array("bonus", bonus, batch)
         _cpu_tensor("boundary", boundary, 4)
         if boundary.dtype not in _BOUNDARY_DTYPES:
             raise ValueError(f"boundary must be float32/bfloat16/float16, got {boundary.dtype}")

@@ -10,6 +10,7 @@
 // is never drafted (torch.argmax would pick the first NaN).
 #include <cstdint>
 
+#include "dpara_rt/markov_bias_cache.h"
 #include "dpara_rt/types.h"
 
 namespace dpara_rt {
@@ -33,12 +34,15 @@ std::uint32_t philox4x32_10(std::uint32_t counter, std::uint64_t offset, std::ui
 // Same drafts either way. noise (sampling only, or null): [batch, d, vocab] from gumbel_noise_host with the
 // same seed and offset, used instead of drawing it here. Sampling with noise and q_out null drafts alone (pruned
 // by the same bound when w2t / w2_norms are given); markov_q_host then gives that draft's q.
+// cache (or null): bias rows of this W1 / W2 kept across calls (markov_bias_cache.h); a step whose token it holds
+// adds the stored row, and the others fill it (the bound is not used then). Same drafts and q either way. A
+// cache built for other factors is an error; one with fewer rows than min(batch, 32) is not used.
 void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                       std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                       const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
                       std::uint64_t offset, std::int64_t* draft_out, float* q_out, const void* w2t = nullptr,
                       DType w2t_dtype = DType::float32, const float* w2_norms = nullptr,
-                      const float* noise = nullptr);
+                      const float* noise = nullptr, MarkovBiasCache* cache = nullptr);
 
 // q_out [batch, d, vocab] of the sampling markov_head_host call (same boundary, r, bonus, W1, W2, temperature)
 // that drafted `draft` [batch, d]: bit for bit what it would have written, computed from the given draft, so
@@ -46,7 +50,7 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
 void markov_q_host(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
                    std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
                    const std::int64_t* draft, const float* w1, const float* w2, std::int64_t rank,
-                   double temperature, float* q_out);
+                   double temperature, float* q_out, MarkovBiasCache* cache = nullptr);
 
 // The Gumbel noise a sampling markov_head_host call with (batch, d, vocab, seed, offset) draws, into out
 // [batch, d, vocab] float32. Passed back to that call as `noise`, the draw is the same and leaves the critical

@@ -139,6 +139,7 @@ class Decoder:
                           else make_generator(opts.seed))
         self._head_options()
         self._markov_calls = 0
+        self._zeros: Tensor | None = None  # _first_row's
         # The head call count when each row's request took it: a per-request seed's Markov offset is the calls
         # since then, so a request that joins a running decode draws what it draws alone (as from a fresh decode)
         self._row_origin = [0] * B
@@ -328,7 +329,7 @@ class Decoder:
         verifies need to be within what the drafter was trained for (PSD's extra token is a guess)."""
         n = n or self.d
         logits = self.context.block_logits(prev.bonus, n, untrained_ok=n > self.d)
-        draft, q = self.markov(logits[:, None], torch.zeros_like(prev.bonus), prev.bonus)
+        draft, q = self.markov(logits[:, None], self._first_row(len(prev.bonus)), prev.bonus)
         return (draft, q, logits) if with_logits else (draft, q)
 
     def start_boundary(self, prev: Outcome | None, draft: Draft, slot: int) -> None:
@@ -386,12 +387,15 @@ class Decoder:
             rb = self._staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
             self._release(self.head_lane, "rb", out.phase)
             r, bonus = rb[:, 0], rb[:, 1]
-        self.ring.select(slot, r.numpy(), lane=self.head_lane.core)  # after the backbone's ready event
+        r_host = r.numpy()
+        self.ring.select(slot, r_host, lane=self.head_lane.core)  # after the backbone's ready event
         try:
             boundary = self._slots[slot]
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, ("ring", slot))
-            rows = boundary[torch.arange(len(r)), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
+            # branch r's hidden states [B, d, H]: for one request a view of the slot, not an indexing op
+            rows = (boundary[0, int(r_host[0])][None] if len(r_host) == 1
+                    else boundary[torch.arange(len(r)), r.to(boundary.device)])
             out = q_from = None
             if self.worker_q is not None and self.opts.sampling and not self._head_per_row:
                 # projected where the worker reads it: it computes the draft's q from there (markov)
@@ -399,9 +403,15 @@ class Decoder:
                                                    self._markov_calls + 1)
             with torch.inference_mode():  # grad mode is per thread: without this the host projection is torch's
                 logits = self.drafter.logits(rows, out=out)
-            return self.markov(logits[:, None], torch.zeros_like(r), bonus, q_from)
+            return self.markov(logits[:, None], self._first_row(len(r)), bonus, q_from)
         finally:
             self.ring.release(slot, self.head_lane.record())
+
+    def _first_row(self, batch: int) -> Tensor:
+        """r = 0 for every request: the row of a boundary that holds one outcome (a block, a projected branch)."""
+        if self._zeros is None or len(self._zeros) != batch:
+            self._zeros = torch.zeros(batch, dtype=torch.long)
+        return self._zeros
 
     # ------------------------------------------------------------------ verification
     def pick(self, logits: Tensor) -> Tensor:
