@@ -545,6 +545,14 @@ PYBIND11_MODULE(_core, m) {
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
   // Buffers as data_ptr() integers (numpy views would cost more than the work at small batch): dpara_rt.native
   // checks the tensors; the core checks every extent, token id and uniform.
+  m.def("argmax_finite_host", [](std::uintptr_t x_ptr, std::int64_t rows, std::int64_t vocab,
+                                 const py::object& argmax_out) {
+        std::int64_t* out = out_data(argmax_out, {rows}, "argmax_out");
+        py::gil_scoped_release nogil;
+        return argmax_finite_host(reinterpret_cast<const float*>(x_ptr), rows, vocab, out);
+      }, py::arg("x_ptr"), py::arg("rows"), py::arg("vocab"), py::arg("argmax_out"),
+      "Per row of x [rows, vocab] float32 (contiguous) the first index of its largest value, into argmax_out [rows] "
+      "(int64); False (argmax_out unspecified) when any value is NaN or infinite.");
   m.def("verify_sample_host", [](std::uintptr_t p_ptr, std::uintptr_t q_ptr, std::uintptr_t draft_ptr,
                                  std::uintptr_t u_accept_ptr, std::uintptr_t u_bonus_ptr, std::int64_t batch, int d,
                                  std::int64_t vocab, std::uintptr_t r_ptr, std::uintptr_t bonus_ptr) {

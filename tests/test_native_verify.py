@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
 from dpara_rt import _core, ops
 from dpara_rt.kernels.verify import verify_sample_reference
-from dpara_rt.native import verify_sample_native
+from dpara_rt.native import argmax_finite, verify_sample_native
 
 BELOW_ONE = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()  # the largest float32 < 1
 
@@ -203,3 +204,30 @@ def test_core_refuses_a_bad_draft_length():
     ptr = torch.zeros(1).data_ptr()
     with pytest.raises(ValueError, match=f"draft length d must be in 1..{_core.MAX_DRAFT}, got 0"):
         _core.verify_sample_host(ptr, ptr, ptr, ptr, ptr, 1, 0, 1, ptr, ptr)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8192), (3, 5, 7), (2, 1, 9), (4, 13), (1, 1)])
+def test_argmax_finite_is_torch_argmax_or_none(shape):
+    """Greedy verification's one pass over the target's logits: torch.argmax (first index on ties, -0 == 0) when
+    every value is finite, None when any is not."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g)
+    x[..., -1] = x.amax(-1)  # the maximum again at the end of each row: the first one is picked
+    x.view(-1, shape[-1])[0, 0] = -0.0
+    assert torch.equal(argmax_finite(x), x.argmax(-1))
+    assert torch.equal(argmax_finite(torch.zeros(shape) * -1), torch.zeros(shape[:-1], dtype=torch.long))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y.view(-1)[-1] = bad  # the last value of the last row: every row is read
+        assert argmax_finite(y) is None
+
+
+def test_argmax_finite_arguments_are_checked():
+    with pytest.raises(ValueError, match="expected a contiguous float32 CPU tensor"):
+        argmax_finite(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="expected a contiguous float32 CPU tensor"):
+        argmax_finite(torch.zeros(4, 2).t())
+    with pytest.raises(ValueError, match="vocab = 0, expected >= 1"):
+        _core.argmax_finite_host(0, 1, 0, np.zeros(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="argmax_out must be a writable contiguous int64 array of shape"):
+        _core.argmax_finite_host(torch.zeros(2, 3).data_ptr(), 2, 3, np.zeros(3, dtype=np.int64))

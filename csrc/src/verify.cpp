@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -176,6 +179,58 @@ void verify_sample_host(const float* p, const float* q, const std::int64_t* draf
     for (int g = 0; g < n; ++g)
       bonus_out[b0 + g] = draw(w[g], cdf[g], vocab, double(u_bonus[b0 + g]) * total[g]);
   }
+}
+
+namespace {
+
+typedef float F8 __attribute__((vector_size(32)));
+typedef std::int32_t I8 __attribute__((vector_size(32)));
+
+// One row: its largest value and whether every value is finite, eight lanes at a time (exponent bits all ones
+// marks inf and NaN), then the first index holding that value.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+bool argmax_row(const float* x, std::int64_t vocab, std::int64_t* out) {
+  const float inf = std::numeric_limits<float>::infinity();
+  F8 top = F8{} - inf;
+  I8 special{};
+  const I8 exponent = I8{} + 0x7f800000;
+  std::int64_t v = 0;
+  for (; v + 8 <= vocab; v += 8) {
+    F8 f;
+    std::memcpy(&f, x + v, sizeof f);
+    top = f > top ? f : top;
+    I8 bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    special |= (bits & exponent) == exponent;
+  }
+  float m = -inf;
+  bool finite = true;
+  for (int l = 0; l < 8; ++l) m = std::max(m, top[l]), finite &= special[l] == 0;
+  for (; v < vocab; ++v) {
+    m = std::max(m, x[v]);
+    finite &= std::isfinite(x[v]);
+  }
+  if (!finite) return false;
+  std::int64_t at = 0;
+  while (x[at] != m) ++at;
+  *out = at;
+  return true;
+}
+
+}  // namespace
+
+bool argmax_finite_host(const float* x, std::int64_t rows, std::int64_t vocab, std::int64_t* argmax_out) {
+  if (rows < 0) detail::value_error("argmax_finite_host: rows = ", rows, ", expected >= 0");
+  if (vocab < 1) detail::value_error("argmax_finite_host: vocab = ", vocab, ", expected >= 1");
+  if (rows > 0 && (!x || !argmax_out))
+    detail::value_error("argmax_finite_host: ", x ? "argmax_out" : "x", " is null, expected a buffer (rows = ", rows,
+                        ")");
+  detail::checked_mul("argmax_finite_host: ", rows, vocab, "rows * vocab");
+  for (std::int64_t i = 0; i < rows; ++i)
+    if (!argmax_row(x + i * vocab, vocab, argmax_out + i)) return false;
+  return true;
 }
 
 }  // namespace dpara_rt

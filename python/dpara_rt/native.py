@@ -17,7 +17,7 @@ import torch
 
 from dpara_rt import _core
 
-__all__ = ["HostMarkovHead", "MarkovBound", "gumbel_noise", "markov_bound", "markov_head_native", "verify_sample_native"]
+__all__ = ["HostMarkovHead", "MarkovBound", "argmax_finite", "gumbel_noise", "markov_bound", "markov_head_native", "verify_sample_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -202,6 +202,18 @@ def _host_buffer(name: str, t, dtype: torch.dtype, shape: tuple, layout: str) ->
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {layout} = {shape}")
     if not t.is_contiguous():
         raise ValueError(f"{name} with strides {t.stride()} is not contiguous; pass {name}.contiguous()")
+
+
+def argmax_finite(x: torch.Tensor) -> torch.Tensor | None:
+    """x.argmax(-1) (long, on the CPU) of a contiguous float32 CPU tensor [..., V], or None when x holds a NaN or
+    an infinity: the check and the arg-max in one pass of the core."""
+    if not (isinstance(x, torch.Tensor) and x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1
+            and x.is_contiguous()):
+        raise ValueError(f"x is {type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, x.device)}"
+                         ", expected a contiguous float32 CPU tensor [..., V]")
+    out = torch.empty(x.shape[:-1], dtype=torch.long)
+    finite = _core.argmax_finite_host(x.data_ptr(), out.numel(), x.shape[-1], out.view(-1).numpy())
+    return out if finite else None
 
 
 def verify_sample_native(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u_accept: torch.Tensor,

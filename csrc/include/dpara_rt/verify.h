@@ -19,4 +19,10 @@ void verify_sample_host(const float* p, const float* q, const std::int64_t* draf
                         const float* u_bonus, std::int64_t batch, int d, std::int64_t vocab, std::int64_t* r_out,
                         std::int64_t* bonus_out);
 
+// Greedy verification's read of the target's logits x [rows, vocab] float32 (contiguous): per row the index of
+// its largest value, the first on ties (torch.argmax's choice), into argmax_out [rows]. Returns false, leaving
+// argmax_out unspecified, when any value is NaN or infinite: one pass where a finiteness check and an
+// arg-max took two.
+bool argmax_finite_host(const float* x, std::int64_t rows, std::int64_t vocab, std::int64_t* argmax_out);
+
 }  // namespace dpara_rt

@@ -26,6 +26,7 @@ from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
 from dpara_rt.models.target import Target
+from dpara_rt.native import argmax_finite
 from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
 from dpara_rt.sampling import inverse_cdf, make_generator, probs, sample, uniforms
 
@@ -86,6 +87,14 @@ def all_finite(x: Tensor) -> bool:
     time of isfinite(x).all() on a round's logits."""
     lo, hi = torch.aminmax(x)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+
+def argmax_if_finite(x: Tensor) -> Tensor | None:
+    """x.argmax(-1) on the host, or None when x holds a NaN or an infinity; host float32 logits in one native
+    pass (greedy verification reads the target's logits for nothing else)."""
+    if x.is_cpu and x.dtype == torch.float32 and x.is_contiguous():
+        return argmax_finite(x)
+    return x.argmax(-1).cpu() if all_finite(x) else None
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
@@ -438,7 +447,9 @@ class Decoder:
             if draft.staged is not draft.tokens:
                 self._release(self.target_lane, "draft", phase)
         logits, feats = self.target.verify(block)
-        if not all_finite(logits):
+        greedy = draft.tokens is not None and not self.opts.sampling
+        argmax = argmax_if_finite(logits) if greedy else None
+        if argmax is None if greedy else not all_finite(logits):
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
                                      "expected finite logits (a damaged model or an overflow in its dtype)")
         if self.drafter is not None:
@@ -446,8 +457,8 @@ class Decoder:
         if draft.tokens is None:  # AR: the bonus is the target's own token
             tok = self.pick(logits[:, 0])
             return Verified(block, feats, r=torch.zeros_like(tok), bonus=tok)
-        if not self.opts.sampling:
-            return Verified(block, feats, argmax=logits.argmax(-1).cpu())
+        if greedy:
+            return Verified(block, feats, argmax=argmax)
         # p is the truncated distribution AR draws from (temperature, top-k, top-p: sampling.probs), on every
         # ops backend; q stays the drafter's own, untruncated (tokens outside p's support are always rejected).
         o = self.opts
