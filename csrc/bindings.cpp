@@ -439,6 +439,36 @@ PYBIND11_MODULE(_core, m) {
       "w2_norms_ptr: W2 transposed [V, R] (float32, or bfloat16 holding W2 exactly) and its column norms (rounded "
       "up) for bound-pruned greedy steps, or 0. noise_ptr: the call's Gumbel noise [B, d, V] float32 from "
       "gumbel_noise_host (sampling only), or 0 to draw it here. cache: a MarkovBiasCache of these W1 / W2, or None.");
+  m.def("markov_head_hidden_host", [](std::uintptr_t hidden_ptr, std::int64_t batch, std::int64_t n_rows, int d,
+                                      std::int64_t hidden_dim, const I64Array& r, std::uintptr_t head_ptr,
+                                      const std::string& head_dtype, std::int64_t vocab, std::uintptr_t logits_ptr,
+                                      const I64Array& bonus, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr,
+                                      std::int64_t rank, double temperature, std::uint64_t seed, std::uint64_t offset,
+                                      const py::object& draft_out, std::uintptr_t q_ptr, std::uintptr_t w2t_ptr,
+                                      const std::string& w2t_dtype, std::uintptr_t w2_norms_ptr,
+                                      std::uintptr_t noise_ptr, MarkovBiasCache* cache) {
+        const DType head = parse_dtype(head_dtype), w2t = parse_dtype(w2t_dtype);
+        const std::int64_t* r_data = expect_shape(r, {batch}, "r");
+        const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
+        std::int64_t* draft = out_data(draft_out, {batch, d}, "draft_out");
+        py::gil_scoped_release nogil;
+        markov_head_hidden_host(reinterpret_cast<const float*>(hidden_ptr), batch, n_rows, d, hidden_dim, r_data,
+                                reinterpret_cast<const void*>(head_ptr), head, vocab,
+                                reinterpret_cast<float*>(logits_ptr), bonus_data,
+                                reinterpret_cast<const float*>(w1_ptr), reinterpret_cast<const float*>(w2_ptr), rank,
+                                temperature, seed, offset, draft, reinterpret_cast<float*>(q_ptr),
+                                reinterpret_cast<const void*>(w2t_ptr), w2t,
+                                reinterpret_cast<const float*>(w2_norms_ptr), reinterpret_cast<const float*>(noise_ptr),
+                                cache);
+      }, py::arg("hidden_ptr"), py::arg("batch"), py::arg("n_rows"), py::arg("d"), py::arg("hidden_dim"), py::arg("r"),
+      py::arg("head_ptr"), py::arg("head_dtype"), py::arg("vocab"), py::arg("logits_ptr"), py::arg("bonus"),
+      py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("rank"), py::arg("temperature"), py::arg("seed"),
+      py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"), py::arg("w2t_ptr") = 0,
+      py::arg("w2t_dtype") = "float32", py::arg("w2_norms_ptr") = 0, py::arg("noise_ptr") = 0,
+      py::arg("cache") = nullptr,
+      "The hidden ring's head: branch r of hidden [B, n_rows, d, H] float32 through the packed output head "
+      "(host_linear_pack of [V, H]) into logits [B, d, V] at logits_ptr, then markov_head_host over them; the "
+      "remaining arguments as markov_head_host's.");
   m.def("markov_q_host", [](std::uintptr_t boundary_ptr, const std::string& boundary_dtype, std::int64_t batch,
                             std::int64_t n_rows, int d, std::int64_t vocab, const I64Array& r, const I64Array& bonus,
                             const I64Array& draft, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr, std::int64_t rank,

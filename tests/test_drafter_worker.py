@@ -205,6 +205,34 @@ def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, ring, m
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monkeypatch):
+    """On the host the hidden ring's head projects branch r and drafts in one core call (HostMarkovHead.from_hidden,
+    with the worker's branch buffer when it computes q): the outputs equal those of the projection and the head
+    called from Python, greedy and sampled."""
+    from dpara_rt.models.drafter import Drafter
+    from dpara_rt.native import HostMarkovHead
+    target, drafter = pair
+    prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
+    calls = []
+    fused = HostMarkovHead.from_hidden
+    monkeypatch.setattr(HostMarkovHead, "from_hidden", lambda self, *a, **k: calls.append(1) or fused(self, *a, **k))
+    out = {}
+    for split in (False, True):
+        if split:
+            monkeypatch.setattr(Drafter, "packed_head", lambda self: None)
+        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker=mode)
+        try:
+            out[split] = [eng.generate(prompts, 24, temperature=t, seed=5) for t in (0.0, 1.0)]
+        finally:
+            eng.close()
+        rounds = sum(res.stats.rounds for res in out[split])
+        assert (len(calls) >= rounds - 4) if not split else (len(calls) == 0), (split, len(calls), rounds)
+        calls.clear()
+    for one, two in zip(out[False], out[True]):
+        assert one.tokens == two.tokens and one.stats.tau == two.stats.tau
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_next_heads_noise_drawn_beside_verification_changes_nothing(pair, mode, monkeypatch):
     """A sampled DPara decode's drafter draws the next Markov head's Gumbel noise after its backbone; the head
     reads it (every round after the first) and the outputs equal those of heads that draw their own."""

@@ -1,6 +1,6 @@
 // Host Markov head: Philox known answers, greedy steps by hand (every boundary dtype, ties), an exact
 // integer case across vocabulary tiles against a naive walk, sampling invariants, a sampled draft alone
-// (pruned) and its q from markov_q_host against the full call, the bias cache, argument validation.
+// (pruned) and its q from markov_q_host against the full call, the bias cache, the hidden ring's head through the output head, argument validation.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "check.h"
+#include "dpara_rt/host_linear.h"
 #include "dpara_rt/markov_head.h"
 
 using namespace dpara_rt;
@@ -204,6 +205,27 @@ static void test_bias_cache() {
   CHECK_THROWS(MarkovBiasCache(c.w1.data(), c.w2.data(), 3, 1, 0), std::invalid_argument, "capacity = 0 rows");
 }
 
+static void test_hidden_branch_through_the_output_head() {
+  // V = H = 3 and an identity output head: branch r's hidden states are its logits, so the hidden head drafts what
+  // the head drafts from those rows (the hand case's boundary: row r = 1 of 2).
+  HandCase c;
+  const F hidden{9, 0, 0, 0, 0, 9, 0, 0, 0.5f, 1, 3, 3};
+  const F eye{1, 0, 0, 0, 1, 0, 0, 0, 1};
+  std::vector<float> packed(std::size_t(host_linear_packed_elems(3, 3)));
+  host_linear_pack(eye.data(), 3, 3, packed.data(), DType::float32);
+  F logits(6, -1.0f);
+  I draft(2, -1);
+  markov_head_hidden_host(hidden.data(), 1, 2, 2, 3, c.r.data(), packed.data(), DType::float32, 3, logits.data(),
+                          c.bonus.data(), c.w1.data(), c.w2.data(), 1, 0.0, 0, 0, draft.data(), nullptr);
+  CHECK((logits == F{0, 0, 0.5f, 1, 3, 3}));
+  CHECK((draft == I{1, 1}));
+  I bad_r{2};
+  CHECK_THROWS(markov_head_hidden_host(hidden.data(), 1, 2, 2, 3, bad_r.data(), packed.data(), DType::float32, 3,
+                                       logits.data(), c.bonus.data(), c.w1.data(), c.w2.data(), 1, 0.0, 0, 0,
+                                       draft.data(), nullptr),
+               std::invalid_argument, "r[0] = 2, expected 0..1");
+}
+
 static void test_validation() {
   HandCase c;
   const F b(12, 0.0f);
@@ -251,6 +273,7 @@ int main() {
   test_sampling_invariants();
   test_draft_alone_then_q_equals_the_full_call();
   test_bias_cache();
+  test_hidden_branch_through_the_output_head();
   test_validation();
   return check::finish("test_markov_head");
 }

@@ -32,6 +32,10 @@ def _cpu_tensor(name: str, t, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def _check_stream(seed, offset) -> None:
     """seed and offset of a Philox stream: ints in [0, 2**64)."""
     if type(seed) is int and type(offset) is int and 0 <= seed < _U64_LIMIT and 0 <= offset < _U64_LIMIT:
@@ -108,11 +112,41 @@ class HostMarkovHead:
         ``with_q=False`` (sampling with noise): the draft alone, its steps pruned by the bound like greedy ones;
         ``q(...)`` gives its q later, bit for bit."""
         batch, d, vocab, r_np, bonus_np = self._check(boundary, r, bonus, temperature)
+        draft, q, rest = self._outputs(batch, d, temperature, seed, offset, noise, with_q)
+        _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, boundary.shape[1], d,
+                               vocab, r_np, bonus_np, *rest)
+        return draft, q
+
+    def from_hidden(self, hidden: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
+                    seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None, with_q: bool = True, *,
+                    head: tuple[torch.Tensor, str], logits: torch.Tensor):
+        """The hidden ring's head in one core call: branch r[b]'s hidden states (hidden [B, n_rows, d, H] float32)
+        through the output head (``head``: its packed weight and dtype, ``HostLinear.packed()``) into ``logits``
+        [B, d, V] float32, then this head over those logits; (draft, q) as ``__call__`` returns them."""
+        if not (type(hidden) is torch.Tensor and hidden.is_cpu and hidden.dtype == torch.float32 and hidden.dim() == 4
+                and hidden.is_contiguous()):
+            raise ValueError(f"hidden is {_describe(hidden)}, expected a contiguous float32 CPU tensor [B, n_rows, d, H]")
+        batch, n_rows, d, width = hidden.shape
+        packed, dtype = head
+        if packed.numel() != _core.host_linear_packed_elems(self.vocab, width):
+            raise ValueError(f"head holds {packed.numel()} packed elements, expected host_linear_packed_elems(V = "
+                             f"{self.vocab}, H = {width}) = {_core.host_linear_packed_elems(self.vocab, width)}")
+        _host_buffer("logits", logits, torch.float32, (batch, d, self.vocab), "[B, d, V]")
+        if not (type(temperature) is float and 0 <= temperature < math.inf):
+            raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+        r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
+        draft, q, rest = self._outputs(batch, d, temperature, seed, offset, noise, with_q)
+        _core.markov_head_hidden_host(hidden.data_ptr(), batch, n_rows, d, width, r_np, packed.data_ptr(), dtype,
+                                      self.vocab, logits.data_ptr(), bonus_np, *rest)
+        return draft, q
+
+    def _outputs(self, batch: int, d: int, temperature: float, seed: int, offset: int, noise, with_q: bool):
+        """A head call's (draft, q or None, the core's arguments from w1 on), its sampling arguments checked."""
         _check_stream(seed, offset)
         if noise is not None:
             if temperature == 0:
                 raise ValueError("noise is given with temperature 0; greedy drafting draws no noise")
-            _host_buffer("noise", noise, torch.float32, (batch, d, vocab), "[B, d, V]")
+            _host_buffer("noise", noise, torch.float32, (batch, d, self.vocab), "[B, d, V]")
         if not with_q and (temperature == 0 or noise is None):
             raise ValueError(f"with_q=False with temperature {temperature} and noise "
                              f"{'given' if noise is not None else None}: expected a sampling call with its noise "
@@ -120,15 +154,12 @@ class HostMarkovHead:
         sampled_q = temperature > 0 and with_q
         pruned = self.bound if not sampled_q else None
         draft = torch.empty(batch, d, dtype=torch.long)
-        q = torch.empty(batch, d, vocab, dtype=torch.float32) if sampled_q else None
-        _core.markov_head_host(boundary.data_ptr(), _BOUNDARY_DTYPES[boundary.dtype], batch, boundary.shape[1], d,
-                               vocab, r_np, bonus_np, self.w1.data_ptr(), self.w2.data_ptr(), self.rank,
-                               float(temperature), int(seed), int(offset), draft.numpy(),
-                               0 if q is None else q.data_ptr(), pruned.w2t.data_ptr() if pruned else 0,
-                               _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
-                               pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr(),
-                               self.cache)
-        return draft, q
+        q = torch.empty(batch, d, self.vocab, dtype=torch.float32) if sampled_q else None
+        return draft, q, (self.w1.data_ptr(), self.w2.data_ptr(), self.rank, float(temperature), int(seed), int(offset),
+                          draft.numpy(), 0 if q is None else q.data_ptr(), pruned.w2t.data_ptr() if pruned else 0,
+                          _BOUNDARY_DTYPES[pruned.w2t.dtype] if pruned else "float32",
+                          pruned.norms.data_ptr() if pruned else 0, 0 if noise is None else noise.data_ptr(),
+                          self.cache)
 
     def q(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor,
           temperature: float, out: torch.Tensor | None = None) -> torch.Tensor:

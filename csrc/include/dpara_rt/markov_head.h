@@ -44,6 +44,19 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
                       DType w2t_dtype = DType::float32, const float* w2_norms = nullptr,
                       const float* noise = nullptr, MarkovBiasCache* cache = nullptr);
 
+// The hidden ring's head in one call: branch r[b]'s d hidden states (hidden: [batch, n_rows, d, hidden_dim] float32,
+// contiguous) through the output head (head_packed: host_linear_pack of its [vocab, hidden_dim] weight) into
+// logits [batch, d, vocab] float32, then markov_head_host over those logits (one row per request) with the
+// remaining arguments as there. The same bits as the projection and the head called one after the other.
+void markov_head_hidden_host(const float* hidden, std::int64_t batch, std::int64_t n_rows, int d,
+                             std::int64_t hidden_dim, const std::int64_t* r, const void* head_packed,
+                             DType head_dtype, std::int64_t vocab, float* logits, const std::int64_t* bonus,
+                             const float* w1, const float* w2, std::int64_t rank, double temperature,
+                             std::uint64_t seed, std::uint64_t offset, std::int64_t* draft_out, float* q_out,
+                             const void* w2t = nullptr, DType w2t_dtype = DType::float32,
+                             const float* w2_norms = nullptr, const float* noise = nullptr,
+                             MarkovBiasCache* cache = nullptr);
+
 // q_out [batch, d, vocab] of the sampling markov_head_host call (same boundary, r, bonus, W1, W2, temperature)
 // that drafted `draft` [batch, d]: bit for bit what it would have written, computed from the given draft, so
 // the d steps no longer wait on each other's draws (a DPara drafter computes it beside verification).

@@ -10,6 +10,7 @@ correct because a job that records or waits on its own lane does so at its curre
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
 from dpara_rt.models.target import Target
-from dpara_rt.native import argmax_finite
+from dpara_rt.native import HostMarkovHead, argmax_finite
 from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
 from dpara_rt.sampling import inverse_cdf, make_generator, probs, sample, uniforms
 
@@ -149,6 +150,8 @@ class Decoder:
         self._head_options()
         self._markov_calls = 0
         self._zeros: Tensor | None = None  # _first_row's
+        self._branch_logits: Tensor | None = None  # the hidden ring's projected branch r, when no worker reads it
+        self._packed_head = None  # the hidden ring on the host: the output head for HostMarkovHead.from_hidden
         # The head call count when each row's request took it: a per-request seed's Markov offset is the calls
         # since then, so a request that joins a running decode draws what it draws alone (as from a fresh decode)
         self._row_origin = [0] * B
@@ -168,6 +171,8 @@ class Decoder:
                             else LocalContext(drafter, B, target.max_len))
             # The head accumulates in fp32: its rank-R factors are converted (on the host its bound built) once.
             self._markov_head, self._markov_enabled = drafter.markov_head(markov), markov
+            if not self.ring_logits and isinstance(self._markov_head, HostMarkovHead):
+                self._packed_head = drafter.packed_head()
             self.noise = NoiseAhead(self.context)  # sampled heads' noise, drawn beside verification
             self.worker_q = WorkerQ(self.context) if self.context.remote else None  # and their q, by the worker
             self._batch_buffers(B)
@@ -294,8 +299,8 @@ class Decoder:
         """An AR round: the block is the last bonus alone."""
         return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event())
 
-    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor,
-               q_from: tuple[str, int] | None = None) -> tuple[Tensor, Tensor | PendingQ | None]:
+    def markov(self, boundary: Tensor, r: Tensor, bonus: Tensor, q_from: tuple[str, int] | None = None,
+               branch: tuple | None = None) -> tuple[Tensor, Tensor | PendingQ | None]:
         """Draft from boundary logits [B, R1, n, V] at rows r, starting from the bonus: (draft [B, n], q).
 
         One batched head call when the batch shares one temperature and one seed. Otherwise (per-request
@@ -303,7 +308,10 @@ class Decoder:
         under the row's seed at the row's own call count (what the request alone would draw), with one seed at offset
         calls + (b << 40) (a stream of its own per row). A greedy row of a sampled batch gets q one-hot at its
         draft token, which verification against its one-hot p accepts exactly when AR greedy would. `q_from`: where
-        a drafter worker finds `boundary` to compute q beside verification (noise_ahead.WorkerQ.post)."""
+        a drafter worker finds `boundary` to compute q beside verification (noise_ahead.WorkerQ.post). `branch`
+        (the hidden ring on the host, one head call for the batch): boundary holds hidden states, and (packed output
+        head, logits buffer [B, d, V]) project branch r into that buffer inside the head's core call
+        (HostMarkovHead.from_hidden)."""
         dev = boundary.device
         self._markov_calls += 1  # each call draws fresh Gumbel noise
         r, bonus = r.to(dev), bonus.to(dev)
@@ -311,14 +319,17 @@ class Decoder:
         if not self._head_per_row:  # one seed for the batch (or a greedy batch, which draws nothing)
             seed = opts.seed[0] if opts.per_request_seeds else opts.seed
             noise = self.noise.take(len(r), seed, self._markov_calls) if opts.sampling else None
+            head = (self._markov_head if branch is None
+                    else functools.partial(self._markov_head.from_hidden, head=branch[0], logits=branch[1]))
             if noise is not None and q_from is not None and self.worker_q is not None:
-                draft, _ = self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise,
-                                             with_q=False)
-                return draft, self.worker_q.post(q_from, r, bonus, draft, boundary.shape[-1], self._head_temps[0],
-                                                 self._markov_enabled, self._markov_calls)
+                draft, _ = head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise, with_q=False)
+                # the worker reads logits of one row per request: a branch projected for the head
+                rows = r if branch is None else self._first_row(len(r))
+                return draft, self.worker_q.post(q_from, rows, bonus, draft, self.drafter.config.vocab_size,
+                                                 self._head_temps[0], self._markov_enabled, self._markov_calls)
             if noise is not None:
-                return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise)
-            return self._markov_head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls)
+                return head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls, noise)
+            return head(boundary, r, bonus, self._head_temps[0], seed, self._markov_calls)
         drafts, qs = [], []
         for b, temp in enumerate(self._head_temps):
             if opts.per_request_seeds:
@@ -402,17 +413,22 @@ class Decoder:
             boundary = self._slots[slot]
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, ("ring", slot))
-            # branch r's hidden states [B, d, H]: for one request a view of the slot, not an indexing op
-            rows = (boundary[0, int(r_host[0])][None] if len(r_host) == 1
-                    else boundary[torch.arange(len(r)), r.to(boundary.device)])
+            B, vocab = len(r_host), self.drafter.config.vocab_size
             out = q_from = None
             if self.worker_q is not None and self.opts.sampling and not self._head_per_row:
                 # projected where the worker reads it: it computes the draft's q from there (markov)
-                out, q_from = self.worker_q.branch(*rows.shape[:2], self.drafter.config.vocab_size,
-                                                   self._markov_calls + 1)
+                out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
+            head = None if self._head_per_row else self._packed_head
+            if head is not None:  # the projection and the head in one core call: each torch op here costs tens of us
+                if out is None:
+                    if self._branch_logits is None or len(self._branch_logits) != B:
+                        self._branch_logits = torch.empty(B, self.d, vocab)
+                    out = self._branch_logits
+                return self.markov(boundary, r, bonus, q_from, branch=(head, out))
+            rows = boundary[torch.arange(B), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
             with torch.inference_mode():  # grad mode is per thread: without this the host projection is torch's
                 logits = self.drafter.logits(rows, out=out)
-            return self.markov(logits[:, None], self._first_row(len(r)), bonus, q_from)
+            return self.markov(logits[:, None], self._first_row(B), bonus, q_from)
         finally:
             self.ring.release(slot, self.head_lane.record())
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
-from dpara_rt.models.host_linear import HostLinear
+from dpara_rt.models.host_linear import HostLinear, native_target
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from dpara_rt import ops
@@ -310,6 +310,15 @@ class Drafter(nn.Module):
             return F.embedding(tokens.masked_fill(tokens == MASK_ID, self.config.mask_token_id), w).to(self.dtype)
         e = F.embedding(tokens.clamp(min=0), w).to(self.dtype)
         return torch.where((tokens == MASK_ID)[..., None], self.mask_embedding, e)
+
+    def packed_head(self) -> tuple[Tensor, str] | None:
+        """The output head as the core's host linear layer takes it (packed weight, dtype name), for a float32 host
+        drafter whose head runs natively (HostMarkovHead.from_hidden projects with it); None otherwise."""
+        head = self.lm_head
+        if (isinstance(head, HostLinear) and head.bias is None and self.dtype == torch.float32
+                and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu" and native_target()):
+            return head.packed()
+        return None
 
     def logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
         head = self.lm_head

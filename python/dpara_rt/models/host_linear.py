@@ -102,13 +102,18 @@ class HostLinear(nn.Linear):
         self._native_into(x, out)
         return True
 
-    def _native_into(self, x: Tensor, y: Tensor) -> None:
+    def packed(self) -> tuple[Tensor, str]:
+        """(packed weight, dtype name) for ``_core.host_linear``, packed again if the weight changed since."""
         w = self.weight
         src = self._packed_for
         if not src or src[0] is not w or src[1] != w.data_ptr() or src[2] != w._version:
             self._packed, self._packed_dtype = pack_weight(w)
             self._packed_for = (w, w.data_ptr(), w._version)
-        n, k = w.shape
+        return self._packed, self._packed_dtype
+
+    def _native_into(self, x: Tensor, y: Tensor) -> None:
+        self.packed()
+        n, k = self.weight.shape
         if x.shape[-1] != k:
             raise ValueError(f"HostLinear: input {tuple(x.shape)} has {x.shape[-1]} features; expected {k}")
         rows = x.reshape(-1, k).contiguous()
