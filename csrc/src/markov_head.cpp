@@ -251,6 +251,8 @@ DPARA_RT_HOT std::int64_t step_with_bias(float* z, const float* noise, const flo
   return best.index();
 }
 
+// W2's transpose as float32, or as bfloat16 when that holds W2 exactly (a bf16 drafter's factors): half the
+// bytes to fetch for the same values.
 template <class W> DPARA_RT_INLINE float w_at(const W* w, std::int64_t k);
 template <> DPARA_RT_INLINE float w_at<float>(const float* w, std::int64_t k) { return w[k]; }
 template <> DPARA_RT_INLINE float w_at<std::uint16_t>(const std::uint16_t* w, std::int64_t k) {
@@ -436,9 +438,6 @@ void gumbel_noise_host(float* out, std::int64_t batch, int d, std::int64_t vocab
 
 namespace {
 
-// The head's loop, shared by markov_head_host and markov_q_host. forced (q only): the draft is given, and each
-// step computes z and q exactly as the drafting call did, taking x_j from forced instead of the arg-max.
-// Pruned steps (w2t and w2_norms given, by a caller that wants no q) value only the arg-max's contenders.
 // One step of `count` requests with a bias cache: each row's bias comes from the cache, and the rows it does not
 // hold yet are computed together (W2 streamed once for them) into rows claimed for them.
 void cached_step(MarkovBiasCache& cache, RowState* rows, std::int64_t* x, int count, std::int64_t tile,
@@ -461,6 +460,10 @@ void cached_step(MarkovBiasCache& cache, RowState* rows, std::int64_t* x, int co
   for (int i = 0; i < count; ++i) x[i] = step_with_bias(rows[i].z, rows[i].noise, bias[i], vocab, scale);
 }
 
+// The head's loop, shared by markov_head_host and markov_q_host. forced (q only): the draft is given, and each
+// step computes z and q exactly as the drafting call did, taking x_j from forced instead of the arg-max.
+// Pruned steps (w2t and w2_norms given, by a caller that wants no q) value only the arg-max's contenders. With a
+// bias cache every step takes its rows from it (cached_step) and the bound is not used.
 void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, std::int64_t n_rows, int d,
               std::int64_t vocab, std::int64_t row_stride, const std::int64_t* r, const std::int64_t* bonus,
               const float* w1, const float* w2, std::int64_t rank, double temperature, std::uint64_t seed,
