@@ -64,6 +64,9 @@ def test_from_hidden_arguments_are_checked():
         markov.from_hidden(hidden, torch.tensor([0, D + 1]), bonus, head=head.packed(), logits=logits)
     with pytest.raises(ValueError, match=r"bonus\[0\] = 600, expected 0..599"):
         markov.from_hidden(hidden, r, torch.tensor([V, 0]), head=head.packed(), logits=logits)
+    with pytest.raises(ValueError, match=r"temperature = -1.0, expected a finite float >= 0"):
+        markov.from_hidden(hidden, r, bonus, -1.0, head=head.packed(), logits=logits)
+    assert markov.from_hidden(hidden, r, bonus, 0, head=head.packed(), logits=logits)[1] is None  # an int, as __call__
     with pytest.raises(ValueError, match="head dtype int32, expected float32 or bfloat16"):
         _core.markov_head_hidden_host(hidden.data_ptr(), 2, D + 1, D, H, r.numpy(), head.packed()[0].data_ptr(),
                                       "int32", V, logits.data_ptr(), bonus.numpy(), markov.w1.data_ptr(),

@@ -45,6 +45,14 @@ def _check_stream(seed, offset) -> None:
             raise ValueError(f"{name} = {value!r}, expected an int in [0, 2**64)")
 
 
+def _check_temperature(temperature) -> None:
+    """A head call's temperature: a finite real >= 0 (0 = greedy)."""
+    if type(temperature) is float and 0 <= temperature < math.inf:
+        return  # the per-round case, without the numbers ABC check
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+
+
 def _index_array(name: str, t: torch.Tensor, batch: int):
     """r / bonus as a contiguous int64 numpy array of [batch] (a view when they already are one)."""
     if type(t) is torch.Tensor and t.dtype == torch.long and t.shape == (batch,) and t.is_cpu and t.is_contiguous():
@@ -109,7 +117,7 @@ class HostMarkovHead:
                  seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None, with_q: bool = True):
         """(draft [B, d], q [B, d, V] or None). ``noise``: this call's Gumbel noise, drawn ahead of time by
         ``gumbel_noise`` with the same seed and offset (sampling only): the same draft, without drawing here.
-        ``with_q=False`` (sampling with noise): the draft alone, its steps pruned by the bound like greedy ones;
+        ``with_q=False`` (sampling with noise): the draft alone, its steps taken like greedy ones (from the cache, or pruned by the bound);
         ``q(...)`` gives its q later, bit for bit."""
         batch, d, vocab, r_np, bonus_np = self._check(boundary, r, bonus, temperature)
         draft, q, rest = self._outputs(batch, d, temperature, seed, offset, noise, with_q)
@@ -132,8 +140,7 @@ class HostMarkovHead:
             raise ValueError(f"head holds {packed.numel()} packed elements, expected host_linear_packed_elems(V = "
                              f"{self.vocab}, H = {width}) = {_core.host_linear_packed_elems(self.vocab, width)}")
         _host_buffer("logits", logits, torch.float32, (batch, d, self.vocab), "[B, d, V]")
-        if not (type(temperature) is float and 0 <= temperature < math.inf):
-            raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+        _check_temperature(temperature)
         r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
         draft, q, rest = self._outputs(batch, d, temperature, seed, offset, noise, with_q)
         _core.markov_head_hidden_host(hidden.data_ptr(), batch, n_rows, d, width, r_np, packed.data_ptr(), dtype,
@@ -195,8 +202,7 @@ class HostMarkovHead:
         if vocab != self.vocab:
             raise ValueError(f"boundary's last dimension is {vocab}; expected V = {self.vocab} (w1 has shape "
                              f"{tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)})")
-        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature = {temperature!r}, expected a finite float >= 0 (0 = greedy)")
+        _check_temperature(temperature)
         return batch, d, vocab, _index_array("r", r, batch), _index_array("bonus", bonus, batch)
 
 

@@ -51,8 +51,8 @@ class NoiseAhead:
 
 class WorkerQ:
     """q [B, d, V] of a sampled DPara draft, computed by the drafter worker beside verification. With its noise
-    drawn ahead, the head on the critical path only drafts (the arg-max of z + g, pruned by the same bound as a
-    greedy step), and the worker computes q from the logits the head drafted from, (r, bonus) and the draft
+    drawn ahead, the head on the critical path only drafts (the arg-max of z + g, with the bias from the head's
+    cache as a greedy step takes it), and the worker computes q from the logits the head drafted from, (r, bonus) and the draft
     (HostMarkovHead.q): bit for bit the q the head would have returned, ready long before the target's forward
     ends. Those logits are a ring slot's (the logits ring) or, with the hidden ring, branch r's rows as the head
     projected them into a buffer the worker maps too (``branch``)."""

@@ -191,11 +191,11 @@ MARKOV_BIAS_CACHE_BYTES = 32 << 20
 
 def markov_head_for(w1, w2):
     """markov_head(boundary, r, bonus, temperature, seed, offset) with these factors, for a caller that drafts
-    with them every round (a decode). On the host it is the native head with the factors checked once, its
-    greedy bound built once and a bias cache kept across calls (native.HostMarkovHead); elsewhere markov_head
-    itself."""
+    with them every round (a decode). On the host it is the native head with the factors checked once and a bias
+    cache kept across calls (native.HostMarkovHead). No greedy bound: every step of a head with a cache takes its
+    bias from the cache, so the bound would never be read. Elsewhere markov_head itself."""
     if backend(w1.device) == "host" and w1.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
-        return HostMarkovHead(w1.contiguous(), w2.contiguous(), bound=True, cache_bytes=MARKOV_BIAS_CACHE_BYTES)
+        return HostMarkovHead(w1.contiguous(), w2.contiguous(), cache_bytes=MARKOV_BIAS_CACHE_BYTES)
     return lambda boundary, r, bonus, temperature=0.0, seed=0, offset=0: markov_head(
         boundary, r, bonus, w1, w2, temperature, seed, offset)
 
