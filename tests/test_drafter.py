@@ -81,6 +81,23 @@ def test_boundary_hidden_states_project_to_the_boundary_logits(drafter):
         drafter.boundary_logits(cache, spine, out=torch.zeros(2, d + 1, d, 7), project=False)
 
 
+def test_the_last_layer_projects_only_the_rows_that_are_read(drafter, monkeypatch):
+    """Spine rows give every layer their K/V, but past the last layer's attention nothing reads them: its MLP
+    (and output projection) see the branch rows alone, every other layer's all rows, and the hidden states are
+    those of the full forward sliced afterwards, bit for bit (the host projections are row-independent)."""
+    d = 3
+    cache, _ = _filled_cache(drafter, [5, 11])
+    spine = torch.randint(0, drafter.config.vocab_size, (2, d + 1), generator=torch.Generator().manual_seed(5))
+    rows = []
+    for layer in drafter.layers:
+        monkeypatch.setattr(layer, "mlp", lambda x, mlp=layer.mlp: rows.append(x.shape[1]) or mlp(x))
+    hidden = drafter.boundary_logits(cache, spine, project=False)
+    assert rows == [(d + 1) ** 2] * (len(drafter.layers) - 1) + [(d + 1) * d]
+    backbone = Drafter.backbone  # keep_from=0: every row through every layer
+    monkeypatch.setattr(Drafter, "backbone", lambda self, *a, keep_from: backbone(self, *a)[:, keep_from:])
+    assert torch.equal(drafter.boundary_logits(cache, spine, project=False), hidden)
+
+
 def test_boundary_logits_write_into_a_ring_slot(drafter):
     d, b = 3, 2
     cache, _ = _filled_cache(drafter, [4, 9])

@@ -350,16 +350,22 @@ class Drafter(nn.Module):
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
     def backbone(self, tokens: Tensor, positions: Tensor, ctx_kv: Sequence[tuple[Tensor, Tensor]],
-                 attend: Attend) -> Tensor:
-        """Run the block rows through every layer (Q from the rows, K/V = cat(context, rows)); final-normed."""
+                 attend: Attend, keep_from: int = 0) -> Tensor:
+        """Run the block rows through every layer (Q from the rows, K/V = cat(context, rows)); final-normed.
+        Returns rows keep_from.. only: the rows before them (a spine, a prefix, an anchor) give every layer their
+        K/V, but nothing reads their output past the last layer's attention, so its output projection and MLP
+        skip them (an eighth of a d = 7 boundary's backbone)."""
         h = self.embed_rows(tokens)
-        b, q, _ = h.shape
+        b = h.shape[0]
         cos, sin = self._rope(positions)
-        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
+        last = len(self.layers) - 1
+        for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer.input_layernorm(h)
             k, v = layer.self_attn.key_value(x, cos, sin)
-            o = attend(layer.self_attn.query(x, cos, sin), k_ctx, v_ctx, k, v)
-            h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, q, -1))
+            o = attend(layer.self_attn.query(x, cos, sin), k_ctx, v_ctx, k, v).transpose(1, 2)
+            if i == last:
+                o, h = o[:, keep_from:], h[:, keep_from:]
+            h = h + layer.self_attn.o_proj(o.reshape(b, o.shape[1], -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
@@ -475,7 +481,7 @@ class Drafter(nn.Module):
         dev = anchor.device
         ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, tokens.shape[1], lc)
         attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
-        return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend)[:, p + lead:])
+        return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend, keep_from=p + lead))
 
     @torch.inference_mode()
     def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
@@ -509,7 +515,7 @@ class Drafter(nn.Module):
             return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale)
 
         ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
-        h = self.backbone(tokens, positions, ctx_kv, attend)[:, w + 1:]
+        h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
         if lead:  # branches 0..d, their draft rows
             h = h.view(b, w + 1, w, -1)[:, :d + 1, lead:].reshape(b, (d + 1) * d, -1)
         if not project:
