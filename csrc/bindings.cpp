@@ -571,6 +571,13 @@ PYBIND11_MODULE(_core, m) {
            py::arg("max_len"),
            "h [batch * t, hidden] float32 updated in place by the layer; positions [batch, t] int64; cos / sin "
            "[batch * t, head_dim]; the layer's K/V cache with the given strides (elements). Releases the GIL.");
+  m.def("host_rms_norm", [](std::uintptr_t x_ptr, std::uintptr_t w_ptr, std::int64_t rows, std::int64_t n, double eps,
+                            std::uintptr_t out_ptr) {
+        py::gil_scoped_release nogil;
+        host_rms_norm(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<const float*>(w_ptr), rows, n,
+                      static_cast<float>(eps), reinterpret_cast<float*>(out_ptr));
+      }, py::arg("x_ptr"), py::arg("w_ptr"), py::arg("rows"), py::arg("n"), py::arg("eps"), py::arg("out_ptr"),
+      "out [rows, n] = RMSNorm of x [rows, n] with weight w [n] (float32, contiguous), as HostQwen3Layer's norms.");
   m.def("philox4x32", &philox4x32_10, py::arg("counter"), py::arg("offset"), py::arg("seed"),
         "First output word of Philox4x32-10 at counter (counter, offset_lo, offset_hi, 0), key seed.");
   // Buffers as data_ptr() integers (numpy views would cost more than the work at small batch): dpara_rt.native

@@ -124,3 +124,48 @@ def test_the_core_refuses_a_position_past_the_cache():
     with pytest.raises(ValueError, match="head_dim 3"):
         layer.forward(8, 1, 1, 3, 4, 1e-6, h.data_ptr(), 1, 1, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       kv.data_ptr(), kv.data_ptr(), 8, 8, 4)
+
+
+def test_the_final_norm_is_the_cores_and_falls_back_to_torch(monkeypatch):
+    """A native forward's final norm is one core call (the torch module is not run), within rounding of the torch
+    RMSNorm; a weight the core cannot read directly (not float32 or not contiguous) takes the module."""
+    from dpara_rt.models.qwen3 import RMSNorm
+    model = _model(bf16_weights=False)
+    calls = []
+    forward = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: calls.append(self) or forward(self, x))
+    with torch.no_grad():
+        target = Target(model, 1, 64)
+        target.start([[5, 17, 3]])
+        calls.clear()
+        target.verify(torch.tensor([[4, 8]]))
+    assert model.norm not in calls
+    h = torch.randn(2, 3, 48)
+    with torch.no_grad():
+        native = host_qwen3.HostQwen3().norm(model.norm, h)
+        torch.testing.assert_close(native, forward(model.norm, h), rtol=1e-6, atol=1e-6)
+        strided = RMSNorm(96, model.norm.eps)
+        strided.weight = torch.nn.Parameter(torch.rand(96)[::2])
+        calls.clear()
+        host_qwen3.HostQwen3().norm(strided, h)
+    assert calls == [strided]
+    with pytest.raises(ValueError, match=r"host_rms_norm: rows 1, n 0, eps 1e-06; expected rows >= 0, n >= 1"):
+        _core.host_rms_norm(h.data_ptr(), h.data_ptr(), 1, 0, 1e-6, h.data_ptr())
+
+
+def test_the_rope_table_gives_rope_cos_sin_bit_for_bit():
+    """RopeTable gathers what rope_cos_sin computes per position: the same bits, grown on demand, rebuilt for other
+    frequencies or dtypes; negative or non-integer positions are computed directly."""
+    from dpara_rt.models.qwen3 import RopeTable, rope_cos_sin, rope_inv_freq
+    table, inv = RopeTable(), rope_inv_freq(16, 10000.0)
+    for positions in (torch.tensor([[0, 5, 3]]), torch.tensor([[300, 301], [7, 1000]]), torch.arange(12)[None]):
+        for got, want in zip(table(positions, inv, torch.float32), rope_cos_sin(positions, inv, torch.float32)):
+            assert got.shape == want.shape and torch.equal(got, want)
+    assert len(table._cos) >= 1001
+    other = rope_inv_freq(16, 500.0)
+    for inv_freq, dtype in ((other, torch.float32), (other, torch.bfloat16)):
+        got, want = table(torch.tensor([[2, 9]]), inv_freq, dtype), rope_cos_sin(torch.tensor([[2, 9]]), inv_freq, dtype)
+        assert all(g.dtype == dtype and torch.equal(g, w) for g, w in zip(got, want))
+    for positions in (torch.tensor([[-1, 4]]), torch.tensor([[1.0, 2.0]])):
+        got, want = table(positions, inv, torch.float32), rope_cos_sin(positions, inv, torch.float32)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -52,4 +52,8 @@ void host_qwen3_layer(const HostQwen3Dims& dims, const HostQwen3Weights& w, floa
                       std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
                       const HostKVLayer& cache);
 
+// out [rows, n] = the RMSNorm of x [rows, n] with weight w [n] (float32, row-major), computed as the layers
+// compute their own norms: a native forward's final norm.
+void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64_t n, float eps, float* out);
+
 }  // namespace dpara_rt

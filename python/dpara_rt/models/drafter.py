@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
 from dpara_rt.models.host_linear import HostLinear, native_target
 from dpara_rt.models.kv_cache import KVCache
-from dpara_rt.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from dpara_rt.models.qwen3 import RMSNorm, RopeTable, apply_rope, rope_inv_freq
 from dpara_rt import ops
 from dpara_rt.ops import MAX_DRAFT, tree_attention
 
@@ -238,6 +238,7 @@ class Drafter(nn.Module):
         self.w2 = nn.Parameter(torch.empty(c.markov_rank, c.vocab_size))
         # RoPE frequencies stay fp32 whatever the weights' dtype; one copy per device
         self._inv_freq = {torch.device("cpu"): rope_inv_freq(c.head_dim, c.rope_theta)}
+        self._rope_table = RopeTable()
         self.scale = c.head_dim ** -0.5
         self._warned_d: set[int] = set()
         self.reset_parameters()
@@ -301,7 +302,7 @@ class Drafter(nn.Module):
         dev = self.device
         if dev not in self._inv_freq:
             self._inv_freq[dev] = self._inv_freq[torch.device("cpu")].to(dev)
-        return rope_cos_sin(positions.to(dev), self._inv_freq[dev], self.dtype)
+        return self._rope_table(positions.to(dev), self._inv_freq[dev], self.dtype)
 
     def embed_rows(self, tokens: Tensor) -> Tensor:
         """Embed row tokens [B, Q]; ``MASK_ID`` rows get the mask embedding (learned, or mask_token_id's)."""

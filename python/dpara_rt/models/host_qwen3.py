@@ -86,6 +86,17 @@ class HostQwen3:
         got.registrations = registrations()
         return got
 
+    def norm(self, norm: nn.Module, h: Tensor) -> Tensor:
+        """The final RMSNorm of h [B, T, H] (float32, contiguous) as the native layers compute their norms: one
+        core call where the torch module costs a handful of small ops."""
+        w = norm.weight
+        if w.dtype != torch.float32 or not w.is_contiguous() or not h.is_contiguous():
+            return norm(h)
+        out = torch.empty_like(h)
+        _core.host_rms_norm(h.data_ptr(), w.data_ptr(), h.numel() // h.shape[-1], h.shape[-1], norm.eps,
+                            out.data_ptr())
+        return out
+
     def run(self, i: int, layer: nn.Module, cfg, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
             cache) -> None:
         """Layer i over h [B * T, H] (float32, contiguous, updated in place) at positions [B, T] (int64,

@@ -144,6 +144,37 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
     return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 
 
+class RopeTable:
+    """rope_cos_sin by lookup on the host: each position's cos / sin computed once (by rope_cos_sin itself) and
+    gathered afterwards. A forward of a few tokens otherwise spends a handful of small ops (tens of us each right
+    after a verify has evicted the caches) recomputing them. The table grows by doubling and follows the
+    frequencies and dtype it was built for; other devices, and positions that are not non-negative integers,
+    compute directly."""
+
+    def __init__(self):
+        self._for: tuple = ()  # (inv_freq, dtype) of the table
+        self._cos = self._sin = None  # [n, head_dim]
+
+    def __getstate__(self):  # pickled with its model (a drafter worker): rebuilt where it is used
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    def __call__(self, positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if positions.device.type != "cpu" or positions.dtype != torch.long or not positions.numel():
+            return rope_cos_sin(positions, inv_freq, dtype)
+        lo, hi = positions.aminmax()
+        lo, hi = int(lo), int(hi)
+        if lo < 0:
+            return rope_cos_sin(positions, inv_freq, dtype)
+        if (not self._for or self._for[0] is not inv_freq or self._for[1] != dtype or hi >= len(self._cos)):
+            n = max(256, hi + 1, 2 * len(self._cos) if self._for and self._for[0] is inv_freq else 0)
+            cos, sin = rope_cos_sin(torch.arange(n)[None], inv_freq, dtype)
+            self._cos, self._sin, self._for = cos[0, :, 0], sin[0, :, 0], (inv_freq, dtype)
+        return self._cos[positions][..., None, :], self._sin[positions][..., None, :]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -220,6 +251,7 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self._host = None  # host_qwen3.HostQwen3, made on the first native forward
+        self._rope = RopeTable()
         self.reset_rope()
 
     def reset_rope(self):
@@ -275,9 +307,10 @@ class Qwen3ForCausalLM(nn.Module):
             if kv_len > cache.max_len:
                 raise ValueError(f"position {kv_len - 1} is past the KV cache's max_len {cache.max_len}")
         h = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        cos, sin = self._rope(positions, self.inv_freq, h.dtype)
         wanted = {i: None for i in layer_ids}
-        if host_qwen3.usable(self, h, cache):
+        native = host_qwen3.usable(self, h, cache)
+        if native:
             h = self._host_layers(h, positions, cos, sin, cache, wanted)
         else:
             G = self.config.num_kv_groups
@@ -289,7 +322,7 @@ class Qwen3ForCausalLM(nn.Module):
                 h = layer(h, cos, sin, mask, positions, cache, i, kv_len)
                 if i in wanted:
                     wanted[i] = h
-        h = self.norm(h)
+        h = self._host.norm(self.norm, h) if native else self.norm(h)
         # Features are transformers' hidden_states[i + 1], whose last entry is taken after the final norm.
         if n_layers - 1 in wanted:
             wanted[n_layers - 1] = h
