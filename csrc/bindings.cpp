@@ -571,6 +571,50 @@ PYBIND11_MODULE(_core, m) {
            py::arg("max_len"),
            "h [batch * t, hidden] float32 updated in place by the layer; positions [batch, t] int64; cos / sin "
            "[batch * t, head_dim]; the layer's K/V cache with the given strides (elements). Releases the GIL.");
+  // A target's layers and KV cache, bound once per (packed layers, cache): a verify crosses into the core once, not
+  // once per layer. The layers' tensors and the cache stay alive beside it (dpara_rt.models.host_qwen3).
+  struct HostQwen3Stack {
+    std::vector<HostQwen3Weights> weights;
+    std::vector<HostKVLayer> caches;
+    std::vector<std::int64_t> capture;
+  };
+  py::class_<HostQwen3Stack>(m, "HostQwen3Stack", "A target's HostQwen3Layers over its KV cache, run in one call.")
+      .def(py::init([](const std::vector<const HostQwen3Weights*>& layers, std::uintptr_t k, std::uintptr_t v,
+                       std::int64_t layer_stride, std::int64_t row_stride, std::int64_t head_stride,
+                       std::int64_t max_len, const std::vector<std::int64_t>& capture) {
+             if (capture.size() != layers.size())
+               throw std::invalid_argument("HostQwen3Stack: capture has " + std::to_string(capture.size()) +
+                                           " entries; expected one per layer (" + std::to_string(layers.size()) + ")");
+             HostQwen3Stack st;
+             for (std::size_t i = 0; i < layers.size(); ++i) {
+               if (!layers[i]) throw std::invalid_argument("HostQwen3Stack: layer " + std::to_string(i) + " is None");
+               st.weights.push_back(*layers[i]);
+               const std::int64_t off = static_cast<std::int64_t>(i) * layer_stride;
+               st.caches.push_back({reinterpret_cast<float*>(k) + off, reinterpret_cast<float*>(v) + off, row_stride,
+                                    head_stride, max_len});
+             }
+             st.capture = capture;
+             return st;
+           }),
+           py::arg("layers"), py::arg("k"), py::arg("v"), py::arg("layer_stride"), py::arg("row_stride"),
+           py::arg("head_stride"), py::arg("max_len"), py::arg("capture"))
+      .def("forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads, std::int64_t kv_heads,
+                         std::int64_t head_dim, std::int64_t intermediate, double eps, std::uintptr_t h,
+                         std::int64_t batch, std::int64_t t, std::uintptr_t positions, std::uintptr_t cos,
+                         std::uintptr_t sin, std::uintptr_t features, std::int64_t features_width) {
+             const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
+             py::gil_scoped_release nogil;
+             host_qwen3_layers(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
+                               reinterpret_cast<float*>(h), batch, t, reinterpret_cast<const std::int64_t*>(positions),
+                               reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin),
+                               st.capture.data(), reinterpret_cast<float*>(features), features_width);
+           },
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("h"), py::arg("batch"), py::arg("t"), py::arg("positions"), py::arg("cos"),
+           py::arg("sin"), py::arg("features"), py::arg("features_width"),
+           "Every layer over h [batch * t, hidden] (float32, updated in place), as HostQwen3Layer.forward each; h "
+           "after layer i copied into features [batch * t, features_width] at column capture[i] where that is >= 0. "
+           "Releases the GIL.");
   m.def("host_rms_norm", [](std::uintptr_t x_ptr, std::uintptr_t w_ptr, std::int64_t rows, std::int64_t n, double eps,
                             std::uintptr_t out_ptr) {
         py::gil_scoped_release nogil;

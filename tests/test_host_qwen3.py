@@ -126,6 +126,31 @@ def test_the_core_refuses_a_position_past_the_cache():
                       kv.data_ptr(), kv.data_ptr(), 8, 8, 4)
 
 
+@pytest.mark.parametrize("layer_ids", [[2, 0], [1, 1, 2], [0], []])
+def test_the_layers_run_in_one_core_call_and_capture_any_features(monkeypatch, layer_ids):
+    """One HostQwen3Stack call per forward writes the captured layers' outputs into the features, in the order
+    asked, a layer listed twice in both places, the last one after the final norm: as the torch path."""
+    model = _model(bf16_weights=False)
+    calls = []
+    forward = _core.HostQwen3Layer.forward
+    monkeypatch.setattr(_core.HostQwen3Layer, "forward", lambda *a: calls.append(1) or forward(*a), raising=False)
+    prompt, block = torch.tensor([[5, 17, 3, 88]]), torch.tensor([[4, 8, 15]])
+    out = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(host_qwen3, "usable", lambda *a: False)
+        target = Target(model, 1, 64, layer_ids)
+        with torch.no_grad():
+            target.start(prompt.tolist())
+            out[native] = target.verify(block)
+    assert calls == []  # no per-layer calls from Python
+    assert model._host._stack is not None
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"capture has 1 entries; expected one per layer \(3\)"):
+        _core.HostQwen3Stack([p.core for p in model._host._layers.values()], 0, 0, 1, 1, 1, 1, [0])
+
+
 def test_the_final_norm_is_the_cores_and_falls_back_to_torch(monkeypatch):
     """A native forward's final norm is one core call (the torch module is not run), within rounding of the torch
     RMSNorm; a weight the core cannot read directly (not float32 or not contiguous) takes the module."""

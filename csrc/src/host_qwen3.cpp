@@ -221,10 +221,11 @@ void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64
   norm_rows(x, w, rows, n, eps, out);
 }
 
-void host_qwen3_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
-                      std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
-                      const HostKVLayer& cache) {
-  check(dm, w, h, batch, t, positions, cos, sin, cache);
+namespace {
+
+void layer_unchecked(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
+                     std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                     const HostKVLayer& cache) {
   const std::int64_t rows = batch * t, hd = dm.hidden, qd = dm.heads * dm.head_dim;
   const std::int64_t width = qd + 2 * dm.kv_heads * dm.head_dim;
   if (!rows) return;
@@ -243,6 +244,42 @@ void host_qwen3_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float*
   silu_mul(gu.data(), rows, dm.intermediate, act.data());
   host_linear(act.data(), rows, dm.intermediate, w.down.data, w.down.dtype, hd, proj.data());
   add_rows(h, proj.data(), rows * hd);
+}
+
+}  // namespace
+
+void host_qwen3_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
+                      std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                      const HostKVLayer& cache) {
+  check(dm, w, h, batch, t, positions, cos, sin, cache);
+  layer_unchecked(dm, w, h, batch, t, positions, cos, sin, cache);
+}
+
+void host_qwen3_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* caches,
+                       std::int64_t n_layers, float* h, std::int64_t batch, std::int64_t t,
+                       const std::int64_t* positions, const float* cos, const float* sin,
+                       const std::int64_t* capture, float* features, std::int64_t features_width) {
+  constexpr const char* kWhat = "host_qwen3_layers";
+  if (n_layers < 0) detail::value_error(kWhat, ": n_layers = ", n_layers, ", expected >= 0");
+  if (n_layers && (!weights || !caches)) detail::value_error(kWhat, ": weights and caches must be non-null");
+  for (std::int64_t i = 0; i < n_layers; ++i) check(dm, weights[i], h, batch, t, positions, cos, sin, caches[i]);
+  if (capture) {
+    for (std::int64_t i = 0; i < n_layers; ++i) {
+      if (capture[i] < 0) continue;
+      if (!features && batch * t)
+        detail::value_error(kWhat, ": capture[", i, "] = ", capture[i], " but features is null");
+      if (capture[i] > features_width - dm.hidden)
+        detail::value_error(kWhat, ": capture[", i, "] = ", capture[i], ", expected a column in 0..",
+                            features_width - dm.hidden, " (features_width ", features_width, ", hidden ", dm.hidden, ")");
+    }
+  }
+  const std::int64_t rows = batch * t;
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    layer_unchecked(dm, weights[i], h, batch, t, positions, cos, sin, caches[i]);
+    if (capture && capture[i] >= 0)
+      for (std::int64_t r = 0; r < rows; ++r)
+        std::memcpy(features + r * features_width + capture[i], h + r * dm.hidden, sizeof(float) * dm.hidden);
+  }
 }
 
 }  // namespace dpara_rt

@@ -52,6 +52,15 @@ void host_qwen3_layer(const HostQwen3Dims& dims, const HostQwen3Weights& w, floa
                       std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
                       const HostKVLayer& cache);
 
+// Layers 0..n_layers-1 in one call: layer i with weights[i] over caches[i], each as host_qwen3_layer (the same
+// bits). capture (or null): [n_layers] columns; when capture[i] >= 0, h after layer i is copied into features
+// [batch * t, features_width] (row-major) at that column (the drafter's features, without a copy per layer
+// outside). Everything is checked before the first layer writes anything.
+void host_qwen3_layers(const HostQwen3Dims& dims, const HostQwen3Weights* weights, const HostKVLayer* caches,
+                       std::int64_t n_layers, float* h, std::int64_t batch, std::int64_t t,
+                       const std::int64_t* positions, const float* cos, const float* sin,
+                       const std::int64_t* capture, float* features, std::int64_t features_width);
+
 // out [rows, n] = the RMSNorm of x [rows, n] with weight w [n] (float32, row-major), computed as the layers
 // compute their own norms: a native forward's final norm.
 void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64_t n, float eps, float* out);

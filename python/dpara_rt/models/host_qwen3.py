@@ -1,9 +1,11 @@
-"""The native host path of a float32 Qwen3 target: each decoder layer is one ``_core.HostQwen3Layer`` call.
+"""The native host path of a float32 Qwen3 target: all decoder layers in one ``_core.HostQwen3Stack`` call.
 
 On the host a verify of a few tokens is mostly fixed cost: about sixty small torch operators per layer (norms,
-RoPE, the KV write, masks, attention, SiLU) cost more than the arithmetic. The core runs the whole layer in
-one call over weights packed once (``host_linear``: bf16 panels when they hold the weights exactly), one token
-at a time in a fixed order, so verifying T tokens gives each token the values that decoding it alone would.
+RoPE, the KV write, masks, attention, SiLU) cost more than the arithmetic. The core runs each layer
+(``HostQwen3Layer``) over weights packed once (``host_linear``: bf16 panels when they hold the weights exactly),
+one token at a time in a fixed order, so verifying T tokens gives each token the values that decoding it alone
+would. The stack runs them all and copies the drafter's feature layers out in the same call: from Python, a
+call per layer cost about 40 us (right after a verify evicted the caches), a tenth of a layer.
 
 ``Qwen3ForCausalLM.forward`` uses it for float32 CPU inference with a KV cache; training, other dtypes and
 devices keep the torch path. The packed copies follow the parameters: a layer is repacked when any of its
@@ -69,12 +71,13 @@ class HostQwen3:
 
     def __init__(self):
         self._layers: dict[int, _PackedLayer] = {}
+        self._stack: tuple | None = None  # (what it was built for, _core.HostQwen3Stack)
 
     def __getstate__(self):
         return {}
 
     def __setstate__(self, state):
-        self._layers = {}
+        self.__init__()
 
     def packed(self, i: int, layer: nn.Module) -> _PackedLayer:
         got = self._layers.get(i)
@@ -97,14 +100,23 @@ class HostQwen3:
                             out.data_ptr())
         return out
 
-    def run(self, i: int, layer: nn.Module, cfg, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
-            cache) -> None:
-        """Layer i over h [B * T, H] (float32, contiguous, updated in place) at positions [B, T] (int64,
-        contiguous); cos / sin [B * T, head_dim]."""
-        packed = self.packed(i, layer)
+    def run_all(self, layers, cfg, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache,
+                capture: dict[int, int], features: Tensor | None) -> None:
+        """Every layer over h [B * T, H] (float32, contiguous, updated in place) at positions [B, T] (int64,
+        contiguous), cos / sin [B * T, head_dim], in one core call; h after layer i copied into features
+        [B * T, F] at column capture[i]. The core object is rebuilt when a layer is repacked or the cache or the
+        capture changes."""
+        packed = [self.packed(i, layer) for i, layer in enumerate(layers)]
+        k, v = cache.k, cache.v  # [layers, rows, kv_heads, max_len, head_dim], v laid out as k
+        cols = [capture.get(i, -1) for i in range(len(layers))]
+        key = (packed, k.data_ptr(), v.data_ptr(), k.stride(), v.stride(), k.shape, cols)
+        if self._stack is None or self._stack[0] != key:
+            if v.stride() != k.stride():
+                raise ValueError(f"KV cache v strides {v.stride()} differ from k's {k.stride()}; expected one layout")
+            self._stack = key, _core.HostQwen3Stack([p.core for p in packed], k.data_ptr(), v.data_ptr(), k.stride(0),
+                                                    k.stride(1), k.stride(2), k.shape[3], cols)
         B, T = positions.shape
-        k, v = cache.k[i], cache.v[i]  # [rows, kv_heads, max_len, head_dim]
-        packed.core.forward(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                            cfg.intermediate_size, cfg.rms_norm_eps, h.data_ptr(), B, T, positions.data_ptr(),
-                            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                            k.shape[2])
+        self._stack[1].forward(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               cfg.intermediate_size, cfg.rms_norm_eps, h.data_ptr(), B, T, positions.data_ptr(),
+                               cos.data_ptr(), sin.data_ptr(), 0 if features is None else features.data_ptr(),
+                               0 if features is None else features.shape[-1])

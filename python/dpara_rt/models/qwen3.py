@@ -308,40 +308,47 @@ class Qwen3ForCausalLM(nn.Module):
                 raise ValueError(f"position {kv_len - 1} is past the KV cache's max_len {cache.max_len}")
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(positions, self.inv_freq, h.dtype)
-        wanted = {i: None for i in layer_ids}
-        native = host_qwen3.usable(self, h, cache)
-        if native:
-            h = self._host_layers(h, positions, cos, sin, cache, wanted)
+        if host_qwen3.usable(self, h, cache):
+            h, features = self._host_layers(h, positions, cos, sin, cache, layer_ids)
         else:
             G = self.config.num_kv_groups
             key_pos = positions if cache is None else torch.arange(kv_len, device=positions.device).expand(B, kv_len)
             # One boolean mask for all layers; rows are (group, query) pairs to match the GQA reshape.
             q_pos = positions.repeat(1, G)
             mask = (key_pos[:, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+            wanted = {i: None for i in layer_ids}
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, mask, positions, cache, i, kv_len)
                 if i in wanted:
                     wanted[i] = h
-        h = self._host.norm(self.norm, h) if native else self.norm(h)
-        # Features are transformers' hidden_states[i + 1], whose last entry is taken after the final norm.
-        if n_layers - 1 in wanted:
-            wanted[n_layers - 1] = h
-        features = torch.cat([wanted[i] for i in layer_ids], dim=-1) if layer_ids else None
+            h = self.norm(h)
+            # Features are transformers' hidden_states[i + 1], whose last entry is taken after the final norm.
+            if n_layers - 1 in wanted:
+                wanted[n_layers - 1] = h
+            features = torch.cat([wanted[i] for i in layer_ids], dim=-1) if layer_ids else None
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index.to(h.device)].unsqueeze(1)
         return self.lm_head(h).float(), features
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
-                     wanted: dict) -> Tensor:
-        """The decoder layers as native calls (models/host_qwen3.py), h updated in place; captured layers copied."""
+                     layer_ids: Sequence[int]) -> tuple[Tensor, Tensor | None]:
+        """The decoder layers in one native call (models/host_qwen3.py) and the final norm: (h, features), the
+        captured layers written into the features by the core (the last one after the norm, as forward's)."""
         if self._host is None:
             self._host = host_qwen3.HostQwen3()
         B, T, H = h.shape
         flat = h.reshape(B * T, H).contiguous()
         positions = positions.to(torch.long).contiguous()
         cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
-        for i, layer in enumerate(self.layers):
-            self._host.run(i, layer, self.config, flat, positions, cos, sin, cache)
-            if i in wanted:
-                wanted[i] = flat.view(B, T, H).clone()
-        return flat.view(B, T, H)
+        last = len(self.layers) - 1
+        features = torch.empty(B * T, len(layer_ids) * H, dtype=flat.dtype) if layer_ids else None
+        capture = {}
+        for j, i in enumerate(layer_ids):
+            capture.setdefault(i, j * H)
+        self._host.run_all(self.layers, self.config, flat, positions, cos, sin, cache,
+                           {i: col for i, col in capture.items() if i != last}, features)
+        h = self._host.norm(self.norm, flat.view(B, T, H))
+        for j, i in enumerate(layer_ids):  # the last layer's feature, and any layer listed twice
+            if i == last or capture[i] != j * H:
+                features[:, j * H:(j + 1) * H] = h.view(B * T, H) if i == last else features[:, capture[i]:capture[i] + H]
+        return h, (features.view(B, T, -1) if features is not None else None)
