@@ -530,6 +530,16 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
       py::arg("y_ptr"),
       "y [m, n] = x [m, k] @ W^T (float32, contiguous) over W packed by host_linear_pack; releases the GIL.");
+  m.def("host_linear_two_threads", [](std::uintptr_t x_ptr, std::int64_t m, std::int64_t k, std::uintptr_t packed_ptr,
+                                      const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr) {
+        const DType dtype = parse_dtype(packed_dtype);
+        py::gil_scoped_release nogil;
+        host_linear_two_threads(reinterpret_cast<const float*>(x_ptr), m, k, reinterpret_cast<const void*>(packed_ptr),
+                                dtype, n, reinterpret_cast<float*>(y_ptr));
+      }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
+      py::arg("y_ptr"),
+      "host_linear over the caller and the core's helper thread when the product is large (a prefill's); the same "
+      "bits. Releases the GIL.");
   // The weights' pointers stay valid while dpara_rt.models.host_qwen3 holds the tensors beside this object.
   py::class_<HostQwen3Weights>(m, "HostQwen3Layer",
                                "One Qwen3 decoder layer's packed weights and norms (pointers), for host_qwen3_layer.")

@@ -38,6 +38,36 @@ def test_a_token_projects_the_same_verified_among_others_or_alone():
     assert torch.equal(block, alone)
 
 
+@pytest.mark.parametrize("bf16_exact", [True, False])
+def test_two_threads_give_one_threads_bits_even_from_two_callers(bf16_exact):
+    """host_linear_two_threads (a prefill's products) splits the panels between the caller and the core's helper
+    thread: the bits of host_linear, above its size threshold and below, and from two callers at once (one of
+    them finds the helper busy and computes alone)."""
+    import threading
+    layer = _layer(1536, 256, bf16_exact)
+    packed, dtype = layer.packed()
+    results = []
+
+    def project(rows: int, seed: int):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed))
+        one, two = torch.empty(rows, 1536), torch.full((rows, 1536), float("nan"))
+        _core.host_linear(x.data_ptr(), rows, 256, packed.data_ptr(), dtype, 1536, one.data_ptr())
+        for _ in range(5):
+            _core.host_linear_two_threads(x.data_ptr(), rows, 256, packed.data_ptr(), dtype, 1536, two.data_ptr())
+            results.append(torch.equal(one, two))
+
+    project(130, 0)  # above the threshold: the helper takes half
+    project(3, 1)  # below it: the caller alone
+    callers = [threading.Thread(target=project, args=(130, seed)) for seed in (2, 3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(results) == 20 and all(results)
+    with pytest.raises(ValueError, match="m = -1 rows"):
+        _core.host_linear_two_threads(0, -1, 256, packed.data_ptr(), dtype, 1536, 0)
+
+
 def test_the_packed_copy_follows_the_weight():
     layer = _layer(40, 32, bf16_exact=True)
     x = torch.randn(3, 32)

@@ -64,6 +64,25 @@ def test_a_verified_token_gets_the_logits_of_decoding_it_alone():
             assert torch.equal(step[0, 0], all_logits[0, j]), j
 
 
+def test_a_prefill_on_two_threads_gives_each_token_its_decode_logits():
+    """A prompt's prefill (32 or more tokens a row) splits its products over two threads; its last token's logits
+    are still bit for bit those of decoding the prompt one token at a time."""
+    cfg = Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0)
+    model = Qwen3ForCausalLM(cfg).eval()  # wide enough that a 40-token prefill's products take the helper
+    model.init_weights(std=0.05, generator=torch.Generator().manual_seed(3))
+    prompt = [(7 * i + 3) % 96 for i in range(40)]
+    with torch.no_grad():
+        prefilled = Target(model, 1, 64)
+        last, _, _ = prefilled.start([prompt])
+        stepped = Target(model, 1, 64)
+        stepped.start([prompt[:1]])
+        for token in prompt[1:]:
+            step, _ = stepped.verify(torch.tensor([[token]]))
+            stepped.commit(torch.tensor([1]))
+    assert torch.equal(last.reshape(-1), step.reshape(-1))
+
+
 def test_repacks_when_a_weight_changes(monkeypatch):
     model = _model(bf16_weights=True)
     before = _decode(model, monkeypatch, native=True)[2]

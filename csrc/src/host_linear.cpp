@@ -3,8 +3,18 @@
 #include "dpara_rt/host_linear.h"
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include <unistd.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #include "util.h"
 
@@ -131,19 +141,20 @@ DPARA_RT_INLINE bool wide_vectors() {
   return wide;
 }
 
+// Panels [p0, p1) of the packed weight into y (rows ldy floats apart; y points at column 0): every caller's
+// output element goes through the same tile and the same FMA chain, whatever the panel range.
 template <class W>
 DPARA_RT_INLINE void linear_wide(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
-                                 float* y) {
-  const std::int64_t panels = (n + kPanel - 1) / kPanel;
+                                 std::int64_t p0, std::int64_t p1, float* y, std::int64_t ldy) {
   for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
     const std::int64_t r1 = std::min(m, r0 + kRowBlock);
-    for (std::int64_t p = 0; p < panels; ++p) {
+    for (std::int64_t p = p0; p < p1; ++p) {
       const W* panel = packed + p * k * kPanel;
       const std::int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
       std::int64_t r = r0;
-      for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * n + c0, n, cols);
-      for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * n + c0, n, cols);
-      for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * n + c0, n, cols);
+      for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
+      for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
+      for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
     }
   }
 }
@@ -160,29 +171,29 @@ DPARA_RT_INLINE void rows_by_group(const float* x, std::int64_t k, const W* pane
 
 template <class W>
 DPARA_RT_INLINE void linear_narrow(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
-                                   float* y) {
-  const std::int64_t panels = (n + kPanel - 1) / kPanel;
+                                   std::int64_t p0, std::int64_t p1, float* y, std::int64_t ldy) {
   auto panel_at = [&](std::int64_t p) { return packed + p * k * kPanel; };
   for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
     const std::int64_t r1 = std::min(m, r0 + kRowBlock), r6 = r0 + (r1 - r0) / 6 * 6, left = r1 - r6;
-    for (std::int64_t p = 0; p < panels; ++p) {
+    for (std::int64_t p = p0; p < p1; ++p) {
       const std::int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
-      for (std::int64_t r = r0; r < r6; r += 6) rows_by_group<6>(x + r * k, k, panel_at(p), y + r * n, n, c0, cols);
+      for (std::int64_t r = r0; r < r6; r += 6)
+        rows_by_group<6>(x + r * k, k, panel_at(p), y + r * ldy, ldy, c0, cols);
       const float* xr = x + r6 * k;
-      float* yr = y + r6 * n;
-      if (left == 5) rows_by_group<5>(xr, k, panel_at(p), yr, n, c0, cols);
-      else if (left == 4) rows_by_group<4>(xr, k, panel_at(p), yr, n, c0, cols);
-      else if (left == 3) rows_by_group<3>(xr, k, panel_at(p), yr, n, c0, cols);
+      float* yr = y + r6 * ldy;
+      if (left == 5) rows_by_group<5>(xr, k, panel_at(p), yr, ldy, c0, cols);
+      else if (left == 4) rows_by_group<4>(xr, k, panel_at(p), yr, ldy, c0, cols);
+      else if (left == 3) rows_by_group<3>(xr, k, panel_at(p), yr, ldy, c0, cols);
       else if (left == 2) {
         const W* const group[2] = {panel_at(p), panel_at(p) + 16};
-        tile8<2, 2>(xr, k, group, yr + c0, n, cols);
-      } else if (left == 1 && p % 2 == 0) {  // one row: two panels at once (the last one alone if unpaired)
-        if (p + 1 < panels) {
+        tile8<2, 2>(xr, k, group, yr + c0, ldy, cols);
+      } else if (left == 1 && (p - p0) % 2 == 0) {  // one row: two panels at once (the last one alone if unpaired)
+        if (p + 1 < p1) {
           const W* const group[4] = {panel_at(p), panel_at(p) + 16, panel_at(p + 1), panel_at(p + 1) + 16};
-          tile8<1, 4>(xr, k, group, yr + c0, n, std::min(2 * kPanel, n - c0));
+          tile8<1, 4>(xr, k, group, yr + c0, ldy, std::min(2 * kPanel, n - c0));
         } else {
           const W* const group[2] = {panel_at(p), panel_at(p) + 16};
-          tile8<1, 2>(xr, k, group, yr + c0, n, cols);
+          tile8<1, 2>(xr, k, group, yr + c0, ldy, cols);
         }
       }
     }
@@ -191,18 +202,18 @@ DPARA_RT_INLINE void linear_narrow(const float* x, std::int64_t m, std::int64_t 
 
 template <class W>
 DPARA_RT_INLINE void linear(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
-                            float* y) {
-  if (wide_vectors()) linear_wide(x, m, k, packed, n, y);
-  else linear_narrow(x, m, k, packed, n, y);
+                            std::int64_t p0, std::int64_t p1, float* y, std::int64_t ldy) {
+  if (wide_vectors()) linear_wide(x, m, k, packed, n, p0, p1, y, ldy);
+  else linear_narrow(x, m, k, packed, n, p0, p1, y, ldy);
 }
 
 DPARA_RT_LINEAR_HOT void linear_bf16(const float* x, std::int64_t m, std::int64_t k, const std::uint16_t* packed,
-                                     std::int64_t n, float* y) {
-  linear(x, m, k, packed, n, y);
+                                     std::int64_t n, std::int64_t p0, std::int64_t p1, float* y, std::int64_t ldy) {
+  linear(x, m, k, packed, n, p0, p1, y, ldy);
 }
 DPARA_RT_LINEAR_HOT void linear_f32(const float* x, std::int64_t m, std::int64_t k, const float* packed,
-                                    std::int64_t n, float* y) {
-  linear(x, m, k, packed, n, y);
+                                    std::int64_t n, std::int64_t p0, std::int64_t p1, float* y, std::int64_t ldy) {
+  linear(x, m, k, packed, n, p0, p1, y, ldy);
 }
 
 void check_extents(const char* what, std::int64_t n, std::int64_t k) {
@@ -257,15 +268,109 @@ void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* pack
 
 void host_linear(const float* x, std::int64_t m, std::int64_t k, const void* packed, DType packed_dtype,
                  std::int64_t n, float* y) {
+  host_linear_columns(x, m, k, packed, packed_dtype, n, 0, n, y, n);
+}
+
+void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const void* packed, DType packed_dtype,
+                         std::int64_t n, std::int64_t col_begin, std::int64_t col_end, float* y, std::int64_t ldy) {
   constexpr const char* kWhat = "host_linear";
   check_extents(kWhat, n, k);
   check_packed_dtype(kWhat, packed_dtype);
   if (m < 0) detail::value_error(kWhat, ": m = ", m, " rows, expected >= 0");
-  detail::checked_mul("host_linear: ", m, std::max(n, k), "elements");
+  if (col_begin < 0 || col_begin > col_end || col_end > n || (col_begin % kPanel != 0 && col_begin != n) ||
+      (col_end % kPanel != 0 && col_end != n))
+    detail::value_error(kWhat, ": columns [", col_begin, ", ", col_end, ") of n = ", n, ", expected 0 <= begin <= ",
+                        "end <= n with both on a panel edge (multiples of ", kPanel, ", or n)");
+  if (ldy < n) detail::value_error(kWhat, ": ldy = ", ldy, ", expected >= n = ", n, " (y's row stride in floats)");
+  detail::checked_mul("host_linear: ", m, std::max(ldy, k), "elements");
+  const std::int64_t p0 = col_begin / kPanel, p1 = (col_end + kPanel - 1) / kPanel;
   if (packed_dtype == DType::bfloat16)
-    linear_bf16(x, m, k, static_cast<const std::uint16_t*>(packed), n, y);
+    linear_bf16(x, m, k, static_cast<const std::uint16_t*>(packed), n, p0, p1, y, ldy);
   else
-    linear_f32(x, m, k, static_cast<const float*>(packed), n, y);
+    linear_f32(x, m, k, static_cast<const float*>(packed), n, p0, p1, y, ldy);
+}
+
+namespace {
+
+// Below this many multiply-adds the hand-off (two wake-ups, tens of us each on a VM) costs more than half the
+// product saves: a verify's products stay on the caller, a prefill's go to two threads.
+constexpr std::int64_t kTwoThreadMacs = std::int64_t(8) << 20;
+
+// The core's one helper thread, started on first use and never stopped (a detached thread: nothing to join at
+// exit). One job at a time; a caller that finds it busy computes alone. A forked child starts its own.
+class Helper {
+ public:
+  static Helper* get() {
+    static const bool enabled = [] {
+      const char* env = std::getenv("DPARA_RT_HOST_THREADS");
+      return !(env != nullptr && std::strcmp(env, "1") == 0) && std::thread::hardware_concurrency() > 1;
+    }();
+    if (!enabled) return nullptr;
+    static std::mutex made_mu;
+    static Helper* made = nullptr;
+    std::lock_guard<std::mutex> lk(made_mu);
+    if (made == nullptr || made->pid_ != getpid()) made = new Helper();  // a fork's copy has no thread: leaked
+    return made;
+  }
+
+  bool try_start(std::function<void()> job) {
+    if (busy_.exchange(true)) return false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = std::move(job);
+      done_ = false;
+    }
+    cv_.notify_one();
+    return true;
+  }
+
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [this] { return done_; });
+    job_ = nullptr;
+    busy_.store(false);
+  }
+
+ private:
+  Helper() : pid_(getpid()) { std::thread([this] { loop(); }).detach(); }
+
+  void loop() {
+#ifdef __linux__
+    cpu_set_t cores;  // the process's cores, not those of the (pinned) lane thread that started it
+    if (sched_getaffinity(pid_, sizeof cores, &cores) == 0) sched_setaffinity(0, sizeof cores, &cores);
+#endif
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [this] { return job_ && !done_; });
+      lk.unlock();
+      job_();
+      lk.lock();
+      done_ = true;
+      done_cv_.notify_one();
+    }
+  }
+
+  const pid_t pid_;
+  std::atomic<bool> busy_{false};
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::function<void()> job_;
+  bool done_ = true;
+};
+
+}  // namespace
+
+void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, const void* packed,
+                             DType packed_dtype, std::int64_t n, float* y) {
+  const std::int64_t split = (n + kPanel - 1) / kPanel / 2 * kPanel;  // columns [0, split) here, the rest there
+  // Every argument checked before either thread writes (an empty range checks them all).
+  host_linear_columns(x, m, k, packed, packed_dtype, n, split, split, y, n);
+  Helper* helper = split > 0 && m * n >= kTwoThreadMacs / k ? Helper::get() : nullptr;
+  if (helper == nullptr ||
+      !helper->try_start([=] { host_linear_columns(x, m, k, packed, packed_dtype, n, split, n, y, n); }))
+    return host_linear(x, m, k, packed, packed_dtype, n, y);
+  host_linear_columns(x, m, k, packed, packed_dtype, n, 0, split, y, n);
+  helper->wait();
 }
 
 }  // namespace dpara_rt

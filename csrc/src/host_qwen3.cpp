@@ -223,6 +223,8 @@ void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64
 
 namespace {
 
+constexpr std::int64_t kPrefillTokens = 32;  // tokens per row from which a forward is a prefill, not a verify
+
 void layer_unchecked(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
                      std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
                      const HostKVLayer& cache) {
@@ -232,17 +234,20 @@ void layer_unchecked(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* 
   std::vector<float> xn(rows * hd), qkv(rows * width), attn(rows * qd), proj(rows * hd),
       gu(rows * 2 * dm.intermediate), act(rows * dm.intermediate);
 
+  // A prefill's products (a prompt per row) take a second thread: the drafter lane's core has nothing to do
+  // before the prompt's features exist. A verify's (d + 1 tokens a row) stay on this one, beside the drafter.
+  auto linear = t >= kPrefillTokens ? host_linear_two_threads : host_linear;
   norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.data());
-  host_linear(xn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.data());
+  linear(xn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.data());
   qk_rope_store(dm, w, qkv.data(), batch, t, positions, cos, sin, cache);
   attention(dm, qkv.data(), batch, t, positions, cache, attn.data());
-  host_linear(attn.data(), rows, qd, w.o.data, w.o.dtype, hd, proj.data());
+  linear(attn.data(), rows, qd, w.o.data, w.o.dtype, hd, proj.data());
   add_rows(h, proj.data(), rows * hd);
 
   norm_rows(h, w.post_norm, rows, hd, dm.eps, xn.data());
-  host_linear(xn.data(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * dm.intermediate, gu.data());
+  linear(xn.data(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * dm.intermediate, gu.data());
   silu_mul(gu.data(), rows, dm.intermediate, act.data());
-  host_linear(act.data(), rows, dm.intermediate, w.down.data, w.down.dtype, hd, proj.data());
+  linear(act.data(), rows, dm.intermediate, w.down.data, w.down.dtype, hd, proj.data());
   add_rows(h, proj.data(), rows * hd);
 }
 
@@ -266,7 +271,7 @@ void host_qwen3_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
   if (capture) {
     for (std::int64_t i = 0; i < n_layers; ++i) {
       if (capture[i] < 0) continue;
-      if (!features && batch * t)
+      if (!features && batch * t != 0)
         detail::value_error(kWhat, ": capture[", i, "] = ", capture[i], " but features is null");
       if (capture[i] > features_width - dm.hidden)
         detail::value_error(kWhat, ": capture[", i, "] = ", capture[i], ", expected a column in 0..",

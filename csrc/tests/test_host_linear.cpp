@@ -1,5 +1,7 @@
 // The host linear layer: exact results on dyadic inputs (every product and sum representable), a row's result
-// independent of the rows beside it, both packed dtypes, ragged n, and refusals that name the value.
+// independent of the rows beside it, both packed dtypes, ragged n, column ranges and the two-thread product with
+// the same bits, and refusals that name the value.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,6 +75,39 @@ void test_a_row_does_not_depend_on_its_neighbours() {
     }
 }
 
+void test_column_ranges_and_two_threads_give_the_same_bits() {
+  // Inexact inputs as above. Column ranges on panel edges tile the product; the two-thread product (large enough
+  // to use the helper: 130 x 1536 x 256, and a small one that stays on the caller) equals the one-thread one.
+  for (DType dtype : {DType::float32, DType::bfloat16})
+    for (auto [m, n, k] : {std::array<std::int64_t, 3>{7, 100, 37}, {130, 1536, 256}, {130, 1000, 256}}) {
+      F w(n * k), x(m * k);
+      for (std::int64_t i = 0; i < n * k; ++i) w[i] = static_cast<float>((i % 17) - 8) / 4.0f;
+      for (std::int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>((i * 7 % 23) - 11) / 3.0f;
+      const auto packed = pack(w, n, k, dtype);
+      F full(m * n), parts(m * (n + 5), NAN), two(m * n, NAN);
+      host_linear(x.data(), m, k, packed.data(), dtype, n, full.data());
+      const std::int64_t cut = (n / 2) / kHostLinearPanel * kHostLinearPanel;
+      host_linear_columns(x.data(), m, k, packed.data(), dtype, n, cut, n, parts.data(), n + 5);  // ldy > n
+      host_linear_columns(x.data(), m, k, packed.data(), dtype, n, 0, cut, parts.data(), n + 5);
+      bool same = true, untouched = true;
+      for (std::int64_t i = 0; i < m; ++i) {
+        same &= std::memcmp(parts.data() + i * (n + 5), full.data() + i * n, sizeof(float) * n) == 0;
+        for (int c = 0; c < 5; ++c) untouched &= std::isnan(parts[i * (n + 5) + n + c]);
+      }
+      host_linear_two_threads(x.data(), m, k, packed.data(), dtype, n, two.data());
+      CHECK(same);
+      CHECK(untouched);
+      CHECK(std::memcmp(two.data(), full.data(), sizeof(float) * m * n) == 0);
+    }
+  const F w(64 * 2, 1.0f);
+  const auto packed = pack(w, 64, 2, DType::float32);
+  F y(64);
+  CHECK_THROWS(host_linear_columns(w.data(), 1, 2, packed.data(), DType::float32, 64, 16, 64, y.data(), 64),
+               std::invalid_argument, "columns [16, 64) of n = 64");
+  CHECK_THROWS(host_linear_columns(w.data(), 1, 2, packed.data(), DType::float32, 64, 0, 64, y.data(), 63),
+               std::invalid_argument, "ldy = 63");
+}
+
 void test_refusals() {
   const F w{1.0f, 1.0f / 3.0f};  // 1/3 is not a bfloat16 value
   std::vector<std::uint16_t> packed(host_linear_packed_elems(1, 2), 7);
@@ -93,6 +128,7 @@ void test_refusals() {
 int main() {
   test_exact_against_the_definition();
   test_a_row_does_not_depend_on_its_neighbours();
+  test_column_ranges_and_two_threads_give_the_same_bits();
   test_refusals();
   return check::finish("test_host_linear");
 }

@@ -33,4 +33,18 @@ void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* pack
 void host_linear(const float* x, std::int64_t m, std::int64_t k, const void* packed, DType packed_dtype,
                  std::int64_t n, float* y);
 
+// Output columns [col_begin, col_end) of the same product into y, whose rows are ldy >= n floats apart (y points
+// at column 0); nothing else of y is written. Both ends on a panel edge: multiples of kHostLinearPanel, or n.
+// Each element is the FMA chain host_linear computes, so callers splitting the columns produce its bits.
+void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const void* packed, DType packed_dtype,
+                         std::int64_t n, std::int64_t col_begin, std::int64_t col_end, float* y, std::int64_t ldy);
+
+// host_linear over two threads, for products large enough to pay for the hand-off (a prompt's prefill): the
+// caller projects the first half of the panels and a helper thread of the core the rest. The helper may run on
+// any core the process may use (the lanes pin their own threads; nothing else runs during a prefill). The same
+// bits as host_linear. Below the size, with the helper busy (another caller), on a single-core machine or with
+// DPARA_RT_HOST_THREADS=1 in the environment, the caller computes everything itself.
+void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, const void* packed,
+                             DType packed_dtype, std::int64_t n, float* y);
+
 }  // namespace dpara_rt
