@@ -168,7 +168,7 @@ class RopeTable:
         lo, hi = int(lo), int(hi)
         if lo < 0:
             return rope_cos_sin(positions, inv_freq, dtype)
-        if (not self._for or self._for[0] is not inv_freq or self._for[1] != dtype or hi >= len(self._cos)):
+        if not self._for or self._for[0] is not inv_freq or self._for[1] != dtype or hi >= len(self._cos):
             n = max(256, hi + 1, 2 * len(self._cos) if self._for and self._for[0] is inv_freq else 0)
             cos, sin = rope_cos_sin(torch.arange(n)[None], inv_freq, dtype)
             self._cos, self._sin, self._for = cos[0, :, 0], sin[0, :, 0], (inv_freq, dtype)
@@ -349,6 +349,8 @@ class Qwen3ForCausalLM(nn.Module):
                            {i: col for i, col in capture.items() if i != last}, features)
         h = self._host.norm(self.norm, flat.view(B, T, H))
         for j, i in enumerate(layer_ids):  # the last layer's feature, and any layer listed twice
-            if i == last or capture[i] != j * H:
-                features[:, j * H:(j + 1) * H] = h.view(B * T, H) if i == last else features[:, capture[i]:capture[i] + H]
+            if i == last:
+                features[:, j * H:(j + 1) * H] = h.view(B * T, H)
+            elif capture[i] != j * H:
+                features[:, j * H:(j + 1) * H] = features[:, capture[i]:capture[i] + H]
         return h, (features.view(B, T, -1) if features is not None else None)
