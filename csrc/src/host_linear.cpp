@@ -303,7 +303,12 @@ class Helper {
   static Helper* get() {
     static const bool enabled = [] {
       const char* env = std::getenv("DPARA_RT_HOST_THREADS");
-      return !(env != nullptr && std::strcmp(env, "1") == 0) && std::thread::hardware_concurrency() > 1;
+      if (env != nullptr && std::strcmp(env, "1") == 0) return false;
+#ifdef __linux__
+      cpu_set_t cores;  // a process held to one core would only time-slice the two halves
+      if (sched_getaffinity(getpid(), sizeof cores, &cores) == 0) return CPU_COUNT(&cores) > 1;
+#endif
+      return std::thread::hardware_concurrency() > 1;
     }();
     if (!enabled) return nullptr;
     static std::mutex made_mu;

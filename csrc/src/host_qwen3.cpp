@@ -215,9 +215,11 @@ void check(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h, s
 }  // namespace
 
 void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64_t n, float eps, float* out) {
+  constexpr const char* kWhat = "host_rms_norm";
   if (rows < 0 || n < 1 || !(eps > 0))
-    detail::value_error("host_rms_norm: rows ", rows, ", n ", n, ", eps ", eps, "; expected rows >= 0, n >= 1, eps > 0");
-  if (rows && (!x || !w || !out)) detail::value_error("host_rms_norm: x, w and out must be non-null (rows = ", rows, ")");
+    detail::value_error(kWhat, ": rows ", rows, ", n ", n, ", eps ", eps, "; expected rows >= 0, n >= 1, eps > 0");
+  if (rows != 0 && (!x || !w || !out))
+    detail::value_error(kWhat, ": x, w and out must be non-null (rows = ", rows, ")");
   norm_rows(x, w, rows, n, eps, out);
 }
 
