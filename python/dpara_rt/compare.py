@@ -56,9 +56,9 @@ def run_methods(names: Sequence[str], target, drafter, prompts: Sequence[list[in
     engines = {}
     try:
         for name in names:
-            kw = variant(name)
+            kw = {**variant(name), **engine_kwargs(name)}  # the caller's arguments override the variant's
             eng = engines[name] = Engine(target, drafter if needs_drafter(kw["method"]) else None, max_batch=batch,
-                                         **kw, **engine_kwargs(name))
+                                         **kw)
             eng.generate([list(prompts[0])], min(4, max_new_tokens))  # warm-up: lanes, allocator, caches
         results = {name: MethodResult(name) for name in names}
         for k, i in enumerate(range(0, len(prompts), batch)):
