@@ -16,7 +16,8 @@ unset TRITON_INTERPRET
 jobs=$(nproc 2>/dev/null || echo 4)
 # The GPU's own architecture (sm_90 on Hopper), so no kernel relies on the driver compiling PTX at start.
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
-export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CUDA_ARCHITECTURES=${arch:-90}"
+# The pybind11 that python3 imports, named to CMake (else it may find another installed copy).
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CUDA_ARCHITECTURES=${arch:-90} -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir)"
 # Parallel test workers where pytest-xdist is installed (the kernels' compilation dominates those tests).
 xdist=()
 python3 -c "import xdist" 2>/dev/null && xdist=(-n "$((jobs < 8 ? jobs : 8))")
@@ -44,11 +45,20 @@ step "GPU visible" 30 bash -c "set -o pipefail; nvidia-smi --query-gpu=name,comp
 step "build (CUDA backend, sm_${arch:-90})" 300 python3 -m pip install -q --no-deps --no-build-isolation -e .
 # The device tests branch on what the core and torch see: both must see the GPU, or they test the wrong branch.
 step "build info sees the GPU" 60 python3 -c "
-import dpara_rt, json, torch, triton
+import dpara_rt, json, pybind11, sys, torch, triton
 i = dpara_rt.build_info(); i['torch'] = torch.__version__; i['triton'] = triton.__version__
+i['pybind11'] = pybind11.__version__; i['python'] = sys.version.split()[0]
 i['torch_cuda'] = torch.cuda.is_available()
 print(json.dumps(i)); json.dump(i, open('$out/build_info.json', 'w'))
 assert i['cuda_compiled'] and i['cuda_devices'] > 0 and i['torch_cuda'], 'no CUDA device seen by the core or torch'"
+# A core error must reach Python as an exception after CUDA's init too (it once crashed the process there);
+# where it does not, the native stack of the crash goes to crash_bt.txt.
+step "core errors reach Python" 120 python3 -m pytest -q -p no:cacheprovider tests/test_core_lanes.py -k reach_python
+if [[ ${results[-1]} == FAIL* ]] && command -v cuda-gdb >/dev/null; then
+  timeout 120 cuda-gdb -q -batch -ex run -ex "bt 40" --args python3 -c "import torch; from dpara_rt import _core
+torch.zeros(1, device='cuda'); _core.CudaLane(_core.build_info()['cuda_devices'])" >"$out/crash_bt.txt" 2>&1
+  tail -45 "$out/crash_bt.txt"
+fi
 step "C++ core tests on CUDA" 240 bash -c "until [ -s '$cpp_rc' ]; do sleep 1; done; tail -3 '$out/cpp_build.log';
   [ \"\$(cat '$cpp_rc')\" = 0 ] && ctest --test-dir build/gpu-cpp --output-on-failure"
 step "core tests on CUDA" 120 python3 -m pytest -q -rs -p no:cacheprovider \
@@ -56,7 +66,7 @@ step "core tests on CUDA" 120 python3 -m pytest -q -rs -p no:cacheprovider \
 step "kernel tests (compiled Triton)" 300 python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" \
   tests/test_kernel_tree_attention.py tests/test_kernel_markov_head.py tests/test_kernel_verify.py \
   tests/test_kernel_ops.py tests/test_native_markov_head.py tests/test_sampling_truncated.py
-step "end to end on CUDA lanes" 300 python3 bench/gpu_e2e.py --out "$out/gpu_e2e.json"
+step "end to end on CUDA lanes" 300 python3 bench/gpu_e2e.py --out "$out/gpu_e2e.json" --max-new-tokens 32 --profile
 step "kernel benchmark" 180 python3 bench/bench_kernels.py --out "$out/bench_kernels.json"
 
 echo "== summary (results in $out)"

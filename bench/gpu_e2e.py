@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
 import torch
 
@@ -22,6 +23,7 @@ from dpara_rt.engine import Engine
 from dpara_rt.methods import needs_drafter, variant
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from profile_round import profile_method, report  # bench/, beside this script
 
 # One GPU: both lanes are streams of it, so the parallel methods run colocated.
 METHODS = ("ar", "dspark", "psd-pearl", "dpara-single")
@@ -44,7 +46,8 @@ def build_random(hidden: int, layers: int, vocab: int, device: str, dtype: torch
 
 
 def run_embedded(args) -> list[dict]:
-    """The trained pair on HumanEval, every method interleaved per batch as the demo runs them."""
+    """The trained pair on HumanEval: each method beside an AR run, interleaved per batch as the demo runs
+    them. One method per comparison, so a method that fails still leaves the others' rows."""
     from dpara_rt.assets import load_tiny
     from dpara_rt.compare import humaneval_prompts
 
@@ -52,13 +55,26 @@ def run_embedded(args) -> list[dict]:
     prompts = humaneval_prompts(tokenizer, args.prompts)
     rows = []
     for batch in map(int, args.batches.split(",")):
-        res = run_methods(METHODS, target, drafter, prompts, batch, args.max_new_tokens,
-                          engine_kwargs=lambda name: dict(placement="colocated", d=7))
-        out = [dict(pair="embedded", batch=batch, **record(res[name], res["ar"])) for name in METHODS]
+        out = []
+        for name in METHODS[1:]:
+            try:
+                res = run_methods(("ar", name), target, drafter, prompts, batch, args.max_new_tokens,
+                                  engine_kwargs=lambda _: dict(placement="colocated", d=7))
+            except Exception as e:
+                _failed("embedded", name, batch, e)
+                out.append(dict(method=name, error=f"{type(e).__name__}: {e}"))
+                continue
+            out += [record(res["ar"], res["ar"])] if not out else []
+            out.append(record(res[name], res["ar"]))
         print(f"\nembedded pair, HumanEval {len(prompts)} prompts, batch {batch}, d = 7, greedy, {args.device}")
-        print(table(out), flush=True)
-        rows += out
+        print(table([r for r in out if "error" not in r]), flush=True)
+        rows += [dict(pair="embedded", batch=batch, **r) for r in out]
     return rows
+
+
+def _failed(pair: str, method: str, batch: int, e: Exception) -> None:
+    print(f"gpu_e2e: {pair} pair, {method}, batch {batch} failed: {type(e).__name__}: {e}", flush=True)
+    traceback.print_exc()
 
 
 def run_random(args) -> list[dict]:
@@ -70,12 +86,19 @@ def run_random(args) -> list[dict]:
         prompts = [torch.randint(1, args.vocab, (256,), generator=g).tolist() for _ in range(batch)]
         for name in METHODS:
             kw = dict(variant(name), placement="colocated")
-            eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=7, max_batch=batch, **kw)
             try:
-                eng.generate(prompts, 8)
-                st = eng.generate(prompts, args.max_new_tokens).stats
-            finally:
-                eng.close()
+                eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=7, max_batch=batch, **kw)
+                try:
+                    eng.generate(prompts, 8)
+                    st = eng.generate(prompts, args.max_new_tokens).stats
+                finally:
+                    eng.close()
+            except Exception as e:
+                _failed("random", name, batch, e)
+                rows.append(dict(pair="random", method=name, batch=batch, error=f"{type(e).__name__}: {e}"))
+                continue
+            if args.profile and batch == 1:  # where the round's time goes, per phase and operator
+                print(report(profile_method(name, target, drafter, prompts, batch, 7, 8, top=6)), flush=True)
             row = dict(pair="random", method=name, batch=batch, tokens_per_s=st.tokens_per_s, tau=st.tau,
                        verify_ms=st.verify_ms, exposed_draft_ms=st.exposed_draft_ms, backbone_ms=st.backbone_ms,
                        markov_head_ms=st.markov_head_ms, overlap_efficiency=st.overlap_efficiency,
@@ -96,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts for the embedded pair")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0", help="cpu runs the same code on the host (a smoke test)")
+    p.add_argument("--profile", action="store_true", help="per-phase time and top operators per method (random pair, batch 1; bench/profile_round.py)")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_e2e: no CUDA device; nothing to measure")
@@ -109,19 +133,17 @@ def main(argv=None) -> int:
     for pair in pairs:
         try:
             rows += runners[pair](args)
-        except Exception as e:  # one pair's failure still leaves the other's numbers
-            print(f"gpu_e2e: the {pair} pair failed: {type(e).__name__}: {e}", flush=True)
+        except Exception as e:  # a pair that cannot even load still leaves the other's numbers
+            _failed(pair, "(loading)", 0, e)
             failed.append(pair)
-            import traceback
-            traceback.print_exc()
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
-    # Lossless (greedy = AR) and never falling back are correctness, not speed: they fail the check.
-    bad = [r for r in rows if r.get("identical_to_ar") is False
-           or (r["method"].startswith("dpara") and r["fallback_rate"] > 0)]
+    # An error, a greedy output other than AR's or a DPara fallback is a failure, not a speed.
+    bad = [r for r in rows if "error" in r or r.get("identical_to_ar") is False
+           or (r["method"].startswith("dpara") and r.get("fallback_rate", 0) > 0)]
     for r in bad:
-        print(f"gpu_e2e: {r['pair']} {r['method']} batch {r['batch']}: identical_to_ar "
-              f"{r.get('identical_to_ar')}, fallback {r.get('fallback_rate')}")
+        print(f"gpu_e2e: FAILED {r['pair']} {r['method']} batch {r['batch']}: {r.get('error', '')} "
+              f"identical_to_ar {r.get('identical_to_ar')}, fallback {r.get('fallback_rate')}")
     return 1 if failed or bad else 0
 
 

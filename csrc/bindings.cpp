@@ -41,7 +41,7 @@ std::int64_t int_arg(const py::handle& v, const char* name, std::int64_t lo, std
   }
   const py::int_ big = py::reinterpret_steal<py::int_>(index);
   if (big < py::int_(lo) || big > py::int_(hi))
-    throw py::value_error(std::string(name) + " = " + std::string(py::str(big)) + " is out of range; expected " +
+    throw py::value_error(std::string(name) + " = " + std::string(py::repr(big)) + " is out of range; expected " +
                           std::to_string(lo) + ".." + std::to_string(hi));
   return big.cast<std::int64_t>();
 }

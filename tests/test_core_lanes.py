@@ -194,6 +194,39 @@ def test_cuda_lane_errors_and_event_ordering():
     assert torch.equal(got, torch.arange(1 << 18, dtype=torch.float32))
 
 
+# What runs before a core error is raised: nothing, the core's own CUDA init (build_info counts the devices),
+# torch's CUDA init (a tensor on the device, where there is one).
+_BEFORE_ERROR = {
+    "nothing": "",
+    "core_cuda_init": "_core.build_info()",
+    "torch_cuda_init": "import torch\nif torch.cuda.is_available(): torch.zeros(1, device='cuda')",
+}
+# Core errors of both kinds: a ValueError from an argument check, a RuntimeError from a CUDA lane's device check.
+_RAISE = """
+try:
+    _core.Event.elapsed_ms(_core.Event(), _core.Event())
+except ValueError as e:
+    print("ValueError:", e)
+try:
+    _core.CudaLane(_core.build_info()["cuda_devices"])
+except RuntimeError as e:
+    print("RuntimeError:", e)
+"""
+
+
+@pytest.mark.parametrize("before", sorted(_BEFORE_ERROR))
+def test_core_errors_reach_python_after_cuda_init(before):
+    """A C++ exception of the core becomes a Python exception whatever initialised CUDA first. In a subprocess,
+    so that a crash (as seen once on a GPU machine: SIGSEGV at the first core error after CUDA's init) fails this
+    test rather than ending the test run."""
+    code = f"from dpara_rt import _core\n{_BEFORE_ERROR[before]}\n{_RAISE}"
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "ValueError: elapsed_ms" in proc.stdout and "null event" in proc.stdout, proc.stdout
+    assert "RuntimeError: a CUDA lane needs CUDA device" in proc.stdout, proc.stdout
+
+
 def test_lanes_run_concurrently():
     """Each callable waits until the other is inside its own: impossible unless both run at once, which
     needs the worker to drop the GIL while Python is not running."""

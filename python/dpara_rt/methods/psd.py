@@ -17,7 +17,8 @@ from dpara_rt.methods.rounds import Decoder, Draft, Outcome
 
 def draft_probs(dec: Decoder, logits: Tensor, anchor: Tensor, draft: Tensor) -> Tensor:
     """The drafter's distribution at each drafted position, softmax(L_j + W1[x_{j-1}] W2), [B, n, V]."""
-    prev = torch.cat([anchor[:, None], draft[:, :-1]], dim=1).to(logits.device)
+    # the anchor (a bonus) is a host tensor, the draft lives where the Markov head ran
+    prev = torch.cat([anchor[:, None].to(draft.device), draft[:, :-1]], dim=1).to(logits.device)
     return torch.softmax((logits + dec.drafter.markov_bias(prev)).float(), dim=-1)
 
 
