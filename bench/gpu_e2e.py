@@ -98,7 +98,7 @@ def run_random(args) -> list[dict]:
                 rows.append(dict(pair="random", method=name, batch=batch, error=f"{type(e).__name__}: {e}"))
                 continue
             if args.profile and batch == 1:  # where the round's time goes, per phase and operator
-                print(report(profile_method(name, target, drafter, prompts, batch, 7, 8, top=6)), flush=True)
+                print(report(profile_method(name, target, drafter, prompts, batch, 7, 8, top=6, placement="colocated")), flush=True)
             row = dict(pair="random", method=name, batch=batch, tokens_per_s=st.tokens_per_s, tau=st.tau,
                        verify_ms=st.verify_ms, exposed_draft_ms=st.exposed_draft_ms, backbone_ms=st.backbone_ms,
                        markov_head_ms=st.markov_head_ms, overlap_efficiency=st.overlap_efficiency,

@@ -51,8 +51,9 @@ def _profile_lanes(eng: Engine, run) -> tuple[list, int]:
     return events, rounds // len(eng.lanes)
 
 
-def profile_method(name: str, target, drafter, prompts, batch: int, d: int, max_new_tokens: int, top: int) -> dict:
-    kw = variant(name)
+def profile_method(name: str, target, drafter, prompts, batch: int, d: int, max_new_tokens: int, top: int,
+                   **engine_kwargs) -> dict:
+    kw = {**variant(name), **engine_kwargs}  # e.g. placement="colocated" on one GPU
     eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=d, max_batch=batch, **kw)
     eng.generate([prompts[0]], 8)  # warm-up: lanes, allocator, caches
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]

@@ -9,7 +9,6 @@
 #include <mutex>
 #include <cstdint>
 #include <cstdio>
-#include <sstream>
 
 #include "dpara_rt/build_info.h"
 #include "dpara_rt/dlpack.h"
@@ -61,21 +60,17 @@ std::vector<std::int64_t> token_ids(const py::handle& ids, const char* name) {
   return out;
 }
 
-std::string shape_str(const py::array& a) {
-  std::ostringstream os;
-  os << '(';
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
-  os << (a.ndim() == 1 ? ",)" : ")");
-  return os.str();
+// A Python tuple's spelling of a shape, "(2, 3)" or "(2,)" (no iostreams: see detail::append).
+template <class It>
+std::string tuple_str(It first, It last) {
+  std::string out = "(";
+  for (It it = first; it != last; ++it) out += (it == first ? "" : ", ") + std::to_string(*it);
+  return out + (last - first == 1 ? ",)" : ")");
 }
 
-std::string dims_str(std::initializer_list<py::ssize_t> dims) {
-  std::ostringstream os;
-  os << '(';
-  for (auto it = dims.begin(); it != dims.end(); ++it) os << (it == dims.begin() ? "" : ", ") << *it;
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
-}
+std::string shape_str(const py::array& a) { return tuple_str(a.shape(), a.shape() + a.ndim()); }
+
+std::string dims_str(std::initializer_list<py::ssize_t> dims) { return tuple_str(dims.begin(), dims.end()); }
 
 // Checks that `a` has exactly the shape `dims` and returns its data.
 const std::int64_t* expect_shape(const I64Array& a, std::initializer_list<py::ssize_t> dims, const char* name) {

@@ -197,7 +197,7 @@ void check(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h, s
   if (!w.qkv.data || !w.o.data || !w.gate_up.data || !w.down.data || !w.input_norm || !w.post_norm ||
       !w.q_norm || !w.k_norm)
     detail::value_error(kWhat, ": a weight pointer is null");
-  if (batch * t && (!h || !positions || !cos || !sin || !cache.k || !cache.v))
+  if (batch * t != 0 && (!h || !positions || !cos || !sin || !cache.k || !cache.v))
     detail::value_error(kWhat, ": h, positions, cos, sin and the cache must be non-null");
   if (cache.max_len < 1 || cache.head_stride < cache.max_len * dm.head_dim ||
       cache.row_stride < dm.kv_heads * cache.head_stride)

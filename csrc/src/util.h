@@ -1,20 +1,47 @@
 #pragma once
 // Private helpers for the core's sources: message formatting and argument checks.
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "dpara_rt/types.h"
 
 namespace dpara_rt::detail {
 
+// Appends one piece of a message. No iostreams: on a GPU machine, formatting an integer through an ostream after
+// torch's CUDA init crashed the process (SIGSEGV in basic_ostream::_M_insert<long>, the num_put facet), so numbers
+// go through to_string and snprintf, which need no locale facets. Floats print as an ostream would (%g).
+inline void append(std::string& out, std::string_view s) { out.append(s); }
+inline void append(std::string& out, const char* s) { out.append(s ? s : "(null)"); }
+inline void append(std::string& out, char c) { out.push_back(c); }
+template <class T>
+void append(std::string& out, const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    out.push_back(v ? '1' : '0');
+  } else if constexpr (std::is_integral_v<T>) {
+    out.append(std::to_string(v));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    out.append(buf);
+  } else if constexpr (std::is_pointer_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", static_cast<const void*>(v));
+    out.append(buf);
+  } else {
+    append(out, std::string_view(v));  // std::string and other string-like values
+  }
+}
+
 template <class... Args>
 std::string cat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
+  std::string out;
+  (append(out, args), ...);
+  return out;
 }
 
 // std::invalid_argument becomes ValueError in Python, std::runtime_error becomes RuntimeError.

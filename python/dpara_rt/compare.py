@@ -59,7 +59,9 @@ def run_methods(names: Sequence[str], target, drafter, prompts: Sequence[list[in
             kw = {**variant(name), **engine_kwargs(name)}  # the caller's arguments override the variant's
             eng = engines[name] = Engine(target, drafter if needs_drafter(kw["method"]) else None, max_batch=batch,
                                          **kw)
-            eng.generate([list(prompts[0])], min(4, max_new_tokens))  # warm-up: lanes, allocator, caches
+            # warm-up at the measured batch size: lanes, allocator, caches, and on a GPU the kernels' compilation
+            # (Triton specialises on sizes such as the batch)
+            eng.generate([list(p) for p in prompts[:batch]], min(4, max_new_tokens))
         results = {name: MethodResult(name) for name in names}
         for k, i in enumerate(range(0, len(prompts), batch)):
             chunk = [list(p) for p in prompts[i:i + batch]]
