@@ -217,7 +217,7 @@ except RuntimeError as e:
 @pytest.mark.parametrize("before", sorted(_BEFORE_ERROR))
 def test_core_errors_reach_python_after_cuda_init(before):
     """A C++ exception of the core becomes a Python exception whatever initialised CUDA first. In a subprocess,
-    so that a crash (as seen once on a GPU machine: SIGSEGV at the first core error after CUDA's init) fails this
+    so that a crash (seen on an H200 machine: SIGSEGV at the first core error after torch's CUDA init) fails this
     test rather than ending the test run."""
     code = f"from dpara_rt import _core\n{_BEFORE_ERROR[before]}\n{_RAISE}"
     proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,

@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dpara_rt.engine import Engine  # noqa: E402
+from dpara_rt.kernels._triton import interpreting  # noqa: E402
 from dpara_rt.kernels.verify import verify_sample_reference, verify_sample_triton  # noqa: E402
 from dpara_rt.methods import variant  # noqa: E402
 from dpara_rt.methods.rounds import DecodeOptions  # noqa: E402
@@ -270,7 +271,7 @@ def test_truncated_sampling_on_every_ops_backend(pair, joints, backend, monkeypa
     """The host backend runs above; here the torch references, then the Triton kernels (interpreted on the
     CPU), draft and verify: the same truncated law. DSpark: the Triton interpreter's state is global, so the
     kernels must not run on two lanes at once."""
-    if backend == "triton" and not os.environ.get("TRITON_INTERPRET"):
+    if backend == "triton" and not interpreting():
         pytest.skip("the pair lives on the CPU, where Triton runs only in the interpreter, which a CUDA machine's "
                     "test run leaves off (the kernel tests cover Triton there)")
     monkeypatch.setenv("DPARA_RT_OPS", backend)
