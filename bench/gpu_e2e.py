@@ -7,7 +7,8 @@ Two pairs:
   checkpoint reaches the device machine), so tau is meaningless; it measures the schedule: verify time,
   exposed draft time and backbone/verify overlap per method.
 
-    python bench/gpu_e2e.py --out FILE [--pairs embedded,random] [--device cuda:0] [--hidden 2048 --layers 28 --vocab 151936]
+    python bench/gpu_e2e.py --out FILE [--pairs embedded,random] [--device cuda:0] [--profile]
+                            [--hidden 2048 --layers 28 --vocab 151936]
 """
 from __future__ import annotations
 
