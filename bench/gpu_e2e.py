@@ -65,7 +65,8 @@ def run_embedded(args) -> list[dict]:
                 _failed("embedded", name, batch, e)
                 out.append(dict(method=name, error=f"{type(e).__name__}: {e}"))
                 continue
-            out += [record(res["ar"], res["ar"])] if not out else []
+            if not any(r["method"] == "ar" for r in out):  # one AR row: the first AR run that completed
+                out.insert(0, record(res["ar"], res["ar"]))
             out.append(record(res[name], res["ar"]))
         print(f"\nembedded pair, HumanEval {len(prompts)} prompts, batch {batch}, d = 7, greedy, {args.device}")
         print(table([r for r in out if "error" not in r]), flush=True)
