@@ -256,6 +256,7 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.attr("MAX_DRAFT") = kMaxDraft;  // the draft limit of the whole runtime (types.h)
+  m.attr("HOST_LINEAR_PANEL") = kHostLinearPanel;  // output columns per packed panel: host_linear column ranges
   m.def("now_ns", &now_ns, "Monotonic host clock (ns) shared by host events and the metrics timeline.");
 
   py::class_<Event>(m, "Event")
@@ -517,14 +518,17 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("w_ptr"), py::arg("n"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"),
       "Pack a float32 weight [n, k] into panels (float32, or bfloat16 when every weight is a bfloat16 value).");
   m.def("host_linear", [](std::uintptr_t x_ptr, std::int64_t m, std::int64_t k, std::uintptr_t packed_ptr,
-                          const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr) {
+                          const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr,
+                          std::int64_t col_begin, std::int64_t col_end) {
         const DType dtype = parse_dtype(packed_dtype);
         py::gil_scoped_release nogil;
-        host_linear(reinterpret_cast<const float*>(x_ptr), m, k, reinterpret_cast<const void*>(packed_ptr), dtype, n,
-                    reinterpret_cast<float*>(y_ptr));
+        host_linear_columns(reinterpret_cast<const float*>(x_ptr), m, k, reinterpret_cast<const void*>(packed_ptr),
+                            dtype, n, col_begin, col_end < 0 ? n : col_end, reinterpret_cast<float*>(y_ptr), n);
       }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
-      py::arg("y_ptr"),
-      "y [m, n] = x [m, k] @ W^T (float32, contiguous) over W packed by host_linear_pack; releases the GIL.");
+      py::arg("y_ptr"), py::arg("col_begin") = 0, py::arg("col_end") = -1,
+      "y [m, n] = x [m, k] @ W^T (float32, contiguous) over W packed by host_linear_pack; releases the GIL. "
+      "col_begin / col_end (-1: n), on panel edges: only those output columns are written, with the bits the "
+      "whole product gives them (two processes may split one product).");
   m.def("host_linear_two_threads", [](std::uintptr_t x_ptr, std::int64_t m, std::int64_t k, std::uintptr_t packed_ptr,
                                       const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr) {
         const DType dtype = parse_dtype(packed_dtype);

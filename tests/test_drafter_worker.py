@@ -208,7 +208,9 @@ def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, ring, m
 def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monkeypatch):
     """On the host the hidden ring's head projects branch r and drafts in one core call (HostMarkovHead.from_hidden,
     with the worker's branch buffer when it computes q): the outputs equal those of the projection and the head
-    called from Python, greedy and sampled."""
+    called from Python, greedy and sampled. (With a worker the projection is shared with it, tested below; here
+    the head projects alone.)"""
+    from dpara_rt.methods.rounds import Decoder
     from dpara_rt.models.drafter import Drafter
     from dpara_rt.native import HostMarkovHead
     target, drafter = pair
@@ -216,6 +218,7 @@ def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monk
     calls = []
     fused = HostMarkovHead.from_hidden
     monkeypatch.setattr(HostMarkovHead, "from_hidden", lambda self, *a, **k: calls.append(1) or fused(self, *a, **k))
+    monkeypatch.setattr(Decoder, "project_ahead", lambda self, out, slot: None)
     out = {}
     for split in (False, True):
         if split:
@@ -230,6 +233,40 @@ def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monk
         calls.clear()
     for one, two in zip(out[False], out[True]):
         assert one.tokens == two.tokens and one.stats.tau == two.stats.tau
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_the_worker_projects_a_share_of_branch_r_and_the_drafts_are_the_same(pair, monkeypatch, temperature):
+    """With the hidden ring and a drafter worker, verification has the worker project the last columns of branch r
+    (project_branch) while the head projects the first ones. The drafts are those of the head projecting alone
+    (the same tokens and tau, so the same acceptances), for a batch of two, greedy and sampled, and every round
+    after each decode's serial first draft shared its projection."""
+    from dpara_rt.methods.rounds import Decoder
+    target, drafter = pair
+    prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
+    sent = []
+    post = DrafterWorker.post
+    monkeypatch.setattr(DrafterWorker, "post", lambda self, op, *a, **k: sent.append((op, a)) or post(self, op, *a, **k))
+    ahead = Decoder.project_ahead
+
+    def decode():
+        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker="process")
+        try:
+            return eng.generate(prompts, 24, temperature=temperature, seed=5)
+        finally:
+            eng.close()
+    shared = decode()
+    shares = [a for op, a in sent if op == "project_branch"]
+    assert len(shares) >= shared.stats.rounds - 2 and {a[2] for a in shares} == {0, 1}  # both halves of the buffer
+    vocab = drafter.config.vocab_size
+    assert all(0 < a[3] < vocab and a[3] % _core.HOST_LINEAR_PANEL == 0 for a in shares), shares[:2]
+    monkeypatch.setattr(Decoder, "project_ahead", lambda self, out, slot: None)
+    sent.clear()
+    alone = decode()
+    assert not [op for op, _ in sent if op == "project_branch"]
+    assert shared.tokens == alone.tokens and shared.stats.tau == alone.stats.tau
+    assert shared.stats.acceptance_histogram == alone.stats.acceptance_histogram
+    monkeypatch.setattr(Decoder, "project_ahead", ahead)
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

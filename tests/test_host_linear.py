@@ -68,6 +68,26 @@ def test_two_threads_give_one_threads_bits_even_from_two_callers(bf16_exact):
         _core.host_linear_two_threads(0, -1, 256, packed.data_ptr(), dtype, 1536, 0)
 
 
+@pytest.mark.parametrize("bf16_exact", [True, False])
+def test_a_column_range_writes_those_columns_with_the_whole_products_bits(bf16_exact):
+    """host_linear's col_begin / col_end (the hidden ring's head and the drafter worker share branch r's projection
+    so): two ranges give the whole product's bits, nothing outside a range is written, and a range off a panel
+    edge is refused with its values named."""
+    n, k, rows = 200, 96, 7
+    layer = _layer(n, k, bf16_exact)
+    packed, dtype = layer.packed()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+    whole, parts = torch.empty(rows, n), torch.full((rows, n), float("nan"))
+    _core.host_linear(x.data_ptr(), rows, k, packed.data_ptr(), dtype, n, whole.data_ptr())
+    split = 3 * _core.HOST_LINEAR_PANEL
+    _core.host_linear(x.data_ptr(), rows, k, packed.data_ptr(), dtype, n, parts.data_ptr(), 0, split)
+    assert parts[:, :split].isfinite().all() and parts[:, split:].isnan().all()
+    _core.host_linear(x.data_ptr(), rows, k, packed.data_ptr(), dtype, n, parts.data_ptr(), split)
+    assert torch.equal(whole, parts)
+    with pytest.raises(ValueError, match=r"columns \[5, 200\) of n = 200, expected .*\(multiples of 32"):
+        _core.host_linear(x.data_ptr(), rows, k, packed.data_ptr(), dtype, n, parts.data_ptr(), 5)
+
+
 def test_the_packed_copy_follows_the_weight():
     layer = _layer(40, 32, bf16_exact=True)
     x = torch.randn(3, 32)

@@ -30,6 +30,7 @@ from multiprocessing import reduction
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pickling of tensors for the pipe
 
+from dpara_rt import _core
 from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the same in every process
 from dpara_rt.native import gumbel_noise
 
@@ -156,6 +157,12 @@ class WorkerContext:
         the shared "q" buffer, before its next call; ``wait_q`` waits for it."""
         self.worker.post("markov_q", *source, r.tolist(), bonus.tolist(), draft.tolist(), temperature, markov, half)
 
+    def project_branch(self, slot: int, r: torch.Tensor, half: int, col_begin: int) -> None:
+        """Have the worker project output columns [col_begin, V) of branch r[b]'s rows of ring slot `slot` (the
+        hidden ring) into half `half` of the shared "branch" buffer, while the head projects the columns before
+        them; ``wait_branch`` waits for it."""
+        self.worker.post("project_branch", slot, r.tolist(), half, col_begin)
+
     def _collect_through(self, ops: tuple[str, ...]) -> list:
         """The worker's replies in order, up to and including the first of `ops` (all pending ones if none is)."""
         done = []
@@ -166,13 +173,18 @@ class WorkerContext:
             done += got
         return done
 
-    def wait_q(self) -> None:
-        """Wait for the q posted last. Replies before it (an absorb sent ahead) are kept for settle."""
-        done = self._collect_through(("markov_q",))
-        if not done or done[-1][0] != "markov_q":
-            raise RuntimeError(f"the drafter worker answered {[op for op, _, _ in done]} where the draft's q was "
-                               "expected")
+    def _wait_for(self, op: str, what: str) -> None:
+        """Wait for the `op` posted last. Replies before it (an absorb sent ahead) are kept for settle."""
+        done = self._collect_through((op,))
+        if not done or done[-1][0] != op:
+            raise RuntimeError(f"the drafter worker answered {[o for o, _, _ in done]} where {what} was expected")
         self._early += done[:-1]
+
+    def wait_q(self) -> None:
+        self._wait_for("markov_q", "the draft's q")
+
+    def wait_branch(self) -> None:
+        self._wait_for("project_branch", "its share of branch r's projection")
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, _to_pipe(features))
@@ -343,6 +355,7 @@ class _Worker:
         self._slots: list[torch.Tensor] = []
         self._shared: dict[str, torch.Tensor] = {}  # float32 buffers shared with the caller: "noise", "q"
         self._shared_maps: dict[str, mmap.mmap] = {}
+        self._head = None  # the drafter's packed output head, for project_branch
 
     def ping(self):
         return os.getpid()
@@ -397,6 +410,19 @@ class _Worker:
         boundary = self._slots[index] if source == "ring" else self._shared["branch"][index][:, None]
         head.q(boundary, torch.tensor(r), torch.tensor(bonus), torch.tensor(draft), temperature,
                out=self._shared["q"][half])
+
+    def project_branch(self, slot: int, r: list[int], half: int, col_begin: int) -> None:
+        hidden = self._slots[slot]  # [B, d+1, d, H]: the hidden ring's slot
+        rows = hidden[torch.arange(len(r)), torch.tensor(r)].contiguous() if len(r) > 1 else hidden[0, r[0]]
+        out = self._shared["branch"][half]  # [B, d, V]
+        if self._head is None:
+            self._head = self.drafter.packed_head()
+            if self._head is None:
+                raise RuntimeError("project_branch: the worker's drafter has no packed host output head (a float32 "
+                                   "host drafter with the native core expected)")
+        packed, dtype = self._head
+        _core.host_linear(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], packed.data_ptr(), dtype,
+                          out.shape[-1], out.data_ptr(), col_begin)
 
     def map_shared(self, name: str, shape: tuple, conn) -> None:
         self._shared_maps[name] = _map(reduction.recv_handle(conn), 4 * math.prod(shape))

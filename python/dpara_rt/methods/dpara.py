@@ -25,6 +25,7 @@ def run(dec: Decoder, first: Outcome):
     def verify(nxt: Draft, slot: int):  # target lane
         out = dec.verify_and_accept(nxt, slot)
         if not out.finished:
+            dec.project_ahead(out, slot)  # a worker shares the head's projection of branch r
             ahead = dec.absorb_ahead(out)  # a drafter worker absorbs while the head runs
             dec.post(dec.head_lane, "markov_head", lambda: markov_head(out, slot, ahead))
 

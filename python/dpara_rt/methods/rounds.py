@@ -152,6 +152,7 @@ class Decoder:
         self._zeros: Tensor | None = None  # _first_row's
         self._branch_logits: Tensor | None = None  # the hidden ring's projected branch r, when no worker reads it
         self._packed_head = None  # the hidden ring on the host: the output head for HostMarkovHead.from_hidden
+        self._shared_slot: int | None = None  # the slot whose branch r the worker is projecting a share of
         # The head call count when each row's request took it: a per-request seed's Markov offset is the calls
         # since then, so a request that joins a running decode draws what it draws alone (as from a fresh decode)
         self._row_origin = [0] * B
@@ -193,6 +194,9 @@ class Decoder:
         self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
                         for region in ("rb", "draft", "features") for phase in (0, 1)}
         self._slots = [slot_tensor(self.ring, i) for i in range(self._ring_capacity)]
+        if self.worker_q is not None and self._packed_head is not None:
+            # mapped now, with no reply pending: mapping is a call, and a call collects every reply before its own
+            self.worker_q.branch(B, self.d, drafter.config.vocab_size, 0)
 
     def grow(self, batch: int) -> None:
         """Continuous batching, lanes idle: `batch` rows from now on, the new ones free. The target and the round
@@ -286,6 +290,26 @@ class Decoder:
         self.context.absorb(out.features, out.keep)
         self._absorbed_ahead = out.phase if out.round > 0 else None  # settled with the next boundary
         return True
+
+    def project_ahead(self, out: Outcome, slot: int) -> None:
+        """Target lane, right after accepting `out`, before anything else goes to the drafter worker: with the hidden
+        ring, have the worker project the last columns of branch r through the output head while the next Markov
+        head projects the first ones (the worker's core is otherwise idle until the head sends the next spine).
+        Both use the same packed head and kernel, so the logits are the bits one projection gives."""
+        vocab = self.drafter.config.vocab_size
+        if (out.finished or self.worker_q is None or self._packed_head is None or self._head_per_row
+                or not self.context.remote or vocab <= _core.HOST_LINEAR_PANEL):  # one panel: nothing to share
+            return
+        self.context.project_branch(slot, out.r, (self._markov_calls + 1) % 2, self._shared_columns(vocab))
+        self._shared_slot = slot
+
+    @staticmethod
+    def _shared_columns(vocab: int) -> int:
+        """Where the head's columns end and the worker's begin, on a panel edge. The head takes the smaller share:
+        it first settles the backbone, while the worker starts as soon as verification posts its share (measured
+        on the embedded pair, batch 1: 0.3-0.4 of the columns here beat 0.5)."""
+        panel = _core.HOST_LINEAR_PANEL
+        return max(panel, vocab * 2 // 5 // panel * panel)
 
     def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
         """Head lane (the drafter lane unless a worker process drafts): stage the draft for the round after `prev`."""
@@ -419,6 +443,15 @@ class Decoder:
                 # projected where the worker reads it: it computes the draft's q from there (markov)
                 out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
             head = None if self._head_per_row else self._packed_head
+            if self._shared_slot == slot:  # the worker projects the last columns meanwhile (project_ahead)
+                self._shared_slot = None
+                out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
+                rows = boundary[0, r_host[0]] if B == 1 else boundary[torch.arange(B), r].contiguous()
+                packed, dtype = head
+                _core.host_linear(rows.data_ptr(), B * self.d, rows.shape[-1], packed.data_ptr(), dtype, vocab,
+                                  out.data_ptr(), 0, self._shared_columns(vocab))
+                self.context.wait_branch()
+                return self.markov(out[:, None], self._first_row(B), bonus, q_from if self.opts.sampling else None)
             if head is not None:  # the projection and the head in one core call: each torch op here costs tens of us
                 if out is None:
                     if self._branch_logits is None or len(self._branch_logits) != B:
