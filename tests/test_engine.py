@@ -99,6 +99,30 @@ def test_stats_and_trace(pair):
     assert {"verify", "backbone", "markov_head"} <= names
 
 
+def test_links_are_named_for_a_profiler_on_their_lane_only(pair, monkeypatch):
+    """A link enters torch.profiler.record_function(phase) only where the profiler records its thread (as
+    bench/profile_round.py enables it on a lane): the operators then sit under the link's name, and with no
+    profiler on no link pays for a record_function."""
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dspark", d=4)
+    entered = []
+    real = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: entered.append(name) or real(name))
+    eng.generate(prompts_for(1, seed=4), max_new_tokens=12)
+    assert entered == []
+    lane = eng.lanes[0]  # the target lane
+    prof = torch.autograd.profiler.profile()
+    lane.submit(prof.__enter__)
+    lane.synchronize()
+    try:
+        eng.generate(prompts_for(1, seed=4), max_new_tokens=12)
+    finally:
+        lane.submit(lambda: prof.__exit__(None, None, None))
+        lane.synchronize()
+    assert "verify" in entered and "serial_draft" not in entered  # the drafter lane's links were not recorded
+    assert "verify" in {e.name for e in prof.function_events}
+
+
 def test_psd_counts_fallbacks_and_dpara_never_falls_back(pair):
     target, drafter = pair
     prompts = prompts_for(8, seed=9)

@@ -17,6 +17,11 @@ from dpara_rt import _core
 from dpara_rt.lanes import Lane
 
 
+# Whether torch's profiler records this thread (it is enabled per thread: bench/profile_round.py enables it on a
+# lane's thread, which keeps it across that lane's jobs).
+_profiling = torch._C._autograd._profiler_enabled
+
+
 class Chain:
     def __init__(self, lanes: tuple[Lane, ...], metrics: _core.Metrics):
         self.lanes, self.metrics = lanes, metrics
@@ -34,6 +39,8 @@ class Chain:
         def run():
             t0 = _core.now_ns()
             try:
+                if not _profiling():  # entering a record_function costs ~9 us a link with no profiler to see it
+                    return fn()
                 with torch.profiler.record_function(phase):  # names the link for torch.profiler's op tree
                     return fn()
             finally:
