@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BoundaryRing", "CudaLane", "Event", "HostLane", "Lane", "Metrics", "RoundState", "Staging", "TensorView",
     "greedy_accept", "now_ns", "tree_mask", "tree_metadata",
-    "as_tensor", "ring_tensor", "slot_tensor", "staging_tensor", "stage_in", "stage_out", "make_lane", "span",
+    "as_tensor", "ring_tensor", "slot_tensor", "branch_rows", "staging_tensor", "stage_in", "stage_out", "make_lane", "span",
     "ref_greedy_accept", "RefRoundState", "RefRing",
 ]
 
@@ -58,6 +58,15 @@ def ring_tensor(ring: BoundaryRing) -> torch.Tensor:
 def slot_tensor(ring: BoundaryRing, slot: int) -> torch.Tensor:
     """Ring slot `slot` as [batch, d+1, d, vocab]: the backbone writes it, the Markov head reads ring[slot][b][r_b]."""
     return _from_dlpack(ring.slot(slot))
+
+
+def branch_rows(slot: "torch.Tensor", r) -> "torch.Tensor":
+    """Branch r[b]'s rows of request b from a slot [batch, d+1, d, row], as one contiguous [batch, d, row] (the
+    slot's own rows, no copy, for a batch of one): what the hidden ring's head projects."""
+    import torch
+    if len(r) == 1:
+        return slot[0, int(r[0])][None]
+    return slot[torch.arange(len(r)), torch.as_tensor(r, device=slot.device)].contiguous()
 
 
 def staging_tensor(staging: Staging, region: str, phase: int, dtype: torch.dtype | None = None,

@@ -32,6 +32,7 @@ import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pic
 
 from dpara_rt import _core
 from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the same in every process
+from dpara_rt.core import branch_rows
 from dpara_rt.native import gumbel_noise
 
 WORKER_MODES = ("auto", "thread", "process")
@@ -412,8 +413,7 @@ class _Worker:
                out=self._shared["q"][half])
 
     def project_branch(self, slot: int, r: list[int], half: int, col_begin: int) -> None:
-        hidden = self._slots[slot]  # [B, d+1, d, H]: the hidden ring's slot
-        rows = hidden[torch.arange(len(r)), torch.tensor(r)].contiguous() if len(r) > 1 else hidden[0, r[0]]
+        rows = branch_rows(self._slots[slot], r)  # the hidden ring's slot [B, d+1, d, H] -> [B, d, H]
         out = self._shared["branch"][half]  # [B, d, V]
         if self._head is None:
             self._head = self.drafter.packed_head()

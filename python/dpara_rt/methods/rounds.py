@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dpara_rt import _core, ops
 from dpara_rt.chain import Chain
-from dpara_rt.core import slot_tensor, stage_in, staging_tensor
+from dpara_rt.core import branch_rows, slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
@@ -297,8 +297,9 @@ class Decoder:
         head projects the first ones (the worker's core is otherwise idle until the head sends the next spine).
         Both use the same packed head and kernel, so the logits are the bits one projection gives."""
         vocab = self.drafter.config.vocab_size
+        # worker_q: a drafter worker; the packed head: the hidden ring on the host
         if (out.finished or self.worker_q is None or self._packed_head is None or self._head_per_row
-                or not self.context.remote or vocab <= _core.HOST_LINEAR_PANEL):  # one panel: nothing to share
+                or vocab <= _core.HOST_LINEAR_PANEL):  # one panel: nothing to share
             return
         self.context.project_branch(slot, out.r, (self._markov_calls + 1) % 2,
                                     self._shared_columns(vocab, self.state.batch()))
@@ -441,27 +442,27 @@ class Decoder:
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, ("ring", slot))
             B, vocab = len(r_host), self.drafter.config.vocab_size
+            if self._shared_slot == slot:  # the worker projects the last columns meanwhile (project_ahead)
+                self._shared_slot = None
+                out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
+                rows = branch_rows(boundary, r_host)
+                packed, dtype = self._packed_head
+                _core.host_linear(rows.data_ptr(), B * self.d, rows.shape[-1], packed.data_ptr(), dtype, vocab,
+                                  out.data_ptr(), 0, self._shared_columns(vocab, B))
+                self.context.wait_branch()
+                return self.markov(out[:, None], self._first_row(B), bonus, q_from if self.opts.sampling else None)
             out = q_from = None
             if self.worker_q is not None and self.opts.sampling and not self._head_per_row:
                 # projected where the worker reads it: it computes the draft's q from there (markov)
                 out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
             head = None if self._head_per_row else self._packed_head
-            if self._shared_slot == slot:  # the worker projects the last columns meanwhile (project_ahead)
-                self._shared_slot = None
-                out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
-                rows = boundary[0, r_host[0]] if B == 1 else boundary[torch.arange(B), r].contiguous()
-                packed, dtype = head
-                _core.host_linear(rows.data_ptr(), B * self.d, rows.shape[-1], packed.data_ptr(), dtype, vocab,
-                                  out.data_ptr(), 0, self._shared_columns(vocab, B))
-                self.context.wait_branch()
-                return self.markov(out[:, None], self._first_row(B), bonus, q_from if self.opts.sampling else None)
             if head is not None:  # the projection and the head in one core call: each torch op here costs tens of us
                 if out is None:
                     if self._branch_logits is None or len(self._branch_logits) != B:
                         self._branch_logits = torch.empty(B, self.d, vocab)
                     out = self._branch_logits
                 return self.markov(boundary, r, bonus, q_from, branch=(head, out))
-            rows = boundary[torch.arange(B), r.to(boundary.device)]  # branch r's hidden states [B, d, H]
+            rows = branch_rows(boundary, r_host)  # branch r's hidden states [B, d, H]
             with torch.inference_mode():  # grad mode is per thread: without this the host projection is torch's
                 logits = self.drafter.logits(rows, out=out)
             return self.markov(logits[:, None], self._first_row(B), bonus, q_from)
