@@ -623,7 +623,29 @@ PYBIND11_MODULE(_core, m) {
            py::arg("sin"), py::arg("features"), py::arg("features_width"),
            "Every layer over h [batch * t, hidden] (float32, updated in place), as HostQwen3Layer.forward each; h "
            "after layer i copied into features [batch * t, features_width] at column capture[i] where that is >= 0. "
-           "Releases the GIL.");
+           "Releases the GIL.")
+      .def("block_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
+                               std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
+                               std::uintptr_t h, std::int64_t batch, std::int64_t t, std::uintptr_t ctx_lens,
+                               std::uintptr_t visible, std::int64_t visible_stride, std::uintptr_t cos,
+                               std::uintptr_t sin, std::int64_t keep_from, std::uintptr_t final_norm,
+                               std::uintptr_t out) {
+             const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
+             py::gil_scoped_release nogil;
+             host_block_layers(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
+                               reinterpret_cast<float*>(h), batch, t, reinterpret_cast<const std::int64_t*>(ctx_lens),
+                               reinterpret_cast<const std::uint8_t*>(visible), visible_stride,
+                               reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin), keep_from,
+                               reinterpret_cast<const float*>(final_norm), reinterpret_cast<float*>(out));
+           },
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("h"), py::arg("batch"), py::arg("t"), py::arg("ctx_lens"), py::arg("visible"),
+           py::arg("visible_stride"), py::arg("cos"), py::arg("sin"), py::arg("keep_from"), py::arg("final_norm"),
+           py::arg("out"),
+           "A drafter's backbone (host_block_layers) over blocks of rows, its cache the drafter's context cache: h "
+           "[batch * t, hidden] float32 (overwritten), ctx_lens [batch] int64, visible [t, t] or [batch, t, t] uint8 "
+           "(visible_stride 0 or t * t), cos / sin [batch * t, head_dim]; out [batch * (t - keep_from), hidden] "
+           "the final-normed rows keep_from.. of each block. Releases the GIL.");
   m.def("host_rms_norm", [](std::uintptr_t x_ptr, std::uintptr_t w_ptr, std::int64_t rows, std::int64_t n, double eps,
                             std::uintptr_t out_ptr) {
         py::gil_scoped_release nogil;

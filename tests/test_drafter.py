@@ -81,6 +81,59 @@ def test_boundary_hidden_states_project_to_the_boundary_logits(drafter):
         drafter.boundary_logits(cache, spine, out=torch.zeros(2, d + 1, d, 7), project=False)
 
 
+@pytest.mark.parametrize("convention", ["anchor", "mask"])
+def test_the_cores_backbone_equals_the_torch_path(drafter, mask_rows_drafter, convention, monkeypatch):
+    """On the host the backbone runs as one core call (Drafter.host_backbone): its boundary hidden states,
+    boundary logits and serial block logits (a ragged PSD prefix included) equal the torch path's within float32
+    rounding, for ragged contexts (one empty), both conventions and d up to the block size."""
+    dr = drafter if convention == "anchor" else mask_rows_drafter
+    cache, _ = _filled_cache(dr, [7, 0, 13])
+    prefix = torch.randint(0, dr.config.vocab_size, (3, 3), generator=torch.Generator().manual_seed(11))
+    calls = []
+    host = Drafter.host_backbone
+    monkeypatch.setattr(Drafter, "host_backbone", lambda self, *a: calls.append(1) or host(self, *a))
+
+    def outputs():
+        out = []
+        for d in (1, 3, 5):
+            spine = torch.randint(0, dr.config.vocab_size, (3, d + 1), generator=torch.Generator().manual_seed(d))
+            out += [dr.boundary_logits(cache, spine, project=False), dr.boundary_logits(cache, spine),
+                    dr.block_logits(cache, spine[:, 0], d),
+                    dr.block_logits(cache, spine[:, 0], d, prefix=prefix, prefix_seen=torch.tensor([3, 0, 2]))]
+        return out
+    native = outputs()
+    assert len(calls) == 12
+    monkeypatch.setattr(Drafter, "host_backbone", lambda self, *a: None)
+    for got, want in zip(native, outputs(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+def test_the_cores_backbone_names_a_bad_argument(drafter):
+    """host_block_layers refuses a bad keep_from, mask stride or context length with the value named."""
+    from dpara_rt import _core
+    cache, _ = _filled_cache(drafter, [4, 2])
+    c = drafter.config
+    stack = drafter._host._stack_for(drafter.layers, cache, [-1] * c.num_layers)
+    h, out = torch.zeros(2 * 4, c.hidden_size), torch.zeros(2 * 4, c.hidden_size)
+    cos = sin = torch.zeros(2 * 4, c.head_dim)
+    visible = torch.ones(4, 4, dtype=torch.uint8)
+    norm = drafter.norm.weight.detach()
+
+    def run(lengths=(4, 2), keep_from=1, stride=0):
+        lens = torch.tensor(lengths)
+        stack.block_forward(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                            c.intermediate_size, c.rms_norm_eps, h.data_ptr(), 2, 4, lens.data_ptr(),
+                            visible.data_ptr(), stride, cos.data_ptr(), sin.data_ptr(), keep_from, norm.data_ptr(),
+                            out.data_ptr())
+    run()
+    with pytest.raises(ValueError, match="keep_from 4"):
+        run(keep_from=4)
+    with pytest.raises(ValueError, match="visible_stride 5"):
+        run(stride=5)
+    with pytest.raises(ValueError, match=r"ctx_lens\[1\] = 49"):
+        run(lengths=(4, 49))
+
+
 def test_the_last_layer_projects_only_the_rows_that_are_read(drafter, monkeypatch):
     """Spine rows give every layer their K/V, but past the last layer's attention nothing reads them: its MLP
     (and output projection) see the branch rows alone, every other layer's all rows, and the hidden states are
@@ -88,6 +141,7 @@ def test_the_last_layer_projects_only_the_rows_that_are_read(drafter, monkeypatc
     d = 3
     cache, _ = _filled_cache(drafter, [5, 11])
     spine = torch.randint(0, drafter.config.vocab_size, (2, d + 1), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(Drafter, "host_backbone", lambda self, *a: None)  # the torch path (the core's: below)
     rows = []
     for layer in drafter.layers:
         monkeypatch.setattr(layer, "mlp", lambda x, mlp=layer.mlp: rows.append(x.shape[1]) or mlp(x))

@@ -55,7 +55,8 @@ DPARA_RT_INLINE void norm_rope(float* x, const float* w, std::int64_t d, float e
   for (std::int64_t i = half; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-// qkv rows [rows, (heads + 2 kv) d]: q and k heads normed and rotated in place, then K/V stored in the cache.
+// qkv rows [rows, (heads + 2 kv) d]: q and k heads normed and rotated in place, then K/V stored in the cache
+// (when it has one).
 DPARA_RT_HOT void qk_rope_store(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* qkv, std::int64_t batch,
                                 std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
                                 const HostKVLayer& cache) {
@@ -71,6 +72,7 @@ DPARA_RT_HOT void qk_rope_store(const HostQwen3Dims& dm, const HostQwen3Weights&
         norm_rope(q + hh * d, w.q_norm, d, dm.eps, cos + row * d, sin + row * d, tmp.data());
       for (std::int64_t g = 0; g < dm.kv_heads; ++g) {
         norm_rope(k + g * d, w.k_norm, d, dm.eps, cos + row * d, sin + row * d, tmp.data());
+        if (!cache.k) continue;  // a drafter block's rows: their K/V stay where they are, in qkv
         const std::int64_t slot = b * cache.row_stride + g * cache.head_stride + positions[row] * d;
         std::memcpy(cache.k + slot, k + g * d, sizeof(float) * d);
         std::memcpy(cache.v + slot, v + g * d, sizeof(float) * d);
@@ -167,6 +169,43 @@ DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int6
     }
 }
 
+// out [rows, heads d]: row (b, j), head hh attends to slots 0..ctx_lens[b]-1 of the context and to the rows m of
+// its own block with visible[j * t + m] (visible advanced by visible_stride per block), whose K/V are in qkv.
+DPARA_RT_HOT void block_attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
+                                  const std::int64_t* ctx_lens, const std::uint8_t* visible,
+                                  std::int64_t visible_stride, const HostKVLayer& ctx, float* out) {
+  const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  std::vector<float> scores(static_cast<std::size_t>(ctx.max_len + t));
+  std::vector<std::int64_t> seen(static_cast<std::size_t>(t));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::uint8_t* vis = visible + b * visible_stride;
+    const std::int64_t keys = ctx_lens[b];
+    for (std::int64_t j = 0; j < t; ++j) {
+      const std::int64_t row = b * t + j;
+      std::int64_t n_seen = 0;
+      for (std::int64_t m = 0; m < t; ++m)
+        if (vis[j * t + m]) seen[n_seen++] = b * t + m;
+      for (std::int64_t hh = 0; hh < dm.heads; ++hh) {
+        const std::int64_t g = hh / group, base = b * ctx.row_stride + g * ctx.head_stride;
+        const float* q = qkv + row * width + hh * d;
+        attention_scores(q, ctx.k + base, keys, d, scale, scores.data());
+        for (std::int64_t n = 0; n < n_seen; ++n)
+          scores[keys + n] = dot(q, qkv + seen[n] * width + (dm.heads + g) * d, d) * scale;
+        const float total = softmax_unnormalised(scores.data(), keys + n_seen);
+        float* o = out + row * dm.heads * d + hh * d;
+        attention_values(scores.data(), ctx.v + base, keys, d, total, o);
+        const float inv = 1.0f / total;
+        for (std::int64_t n = 0; n < n_seen; ++n) {
+          const float p = scores[keys + n] * inv;
+          const float* v = qkv + seen[n] * width + (dm.heads + dm.kv_heads + g) * d;
+          for (std::int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+        }
+      }
+    }
+  }
+}
+
 // gu rows [rows, 2 n] (gate, up) -> act [rows, n] = silu(gate) * up, silu(x) = x * sigmoid(x).
 DPARA_RT_HOT void silu_mul(const float* gu, std::int64_t rows, std::int64_t n, float* act) {
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -185,25 +224,33 @@ DPARA_RT_HOT void add_rows(float* h, const float* x, std::int64_t elems) {
   for (std::int64_t i = 0; i < elems; ++i) h[i] += x[i];
 }
 
-void check(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h, std::int64_t batch, std::int64_t t,
-           const std::int64_t* positions, const float* cos, const float* sin, const HostKVLayer& cache) {
-  constexpr const char* kWhat = "host_qwen3_layer";
+void check_layer(const char* kWhat, const HostQwen3Dims& dm, const HostQwen3Weights& w) {
   if (dm.hidden < 1 || dm.heads < 1 || dm.kv_heads < 1 || dm.head_dim < 2 || dm.head_dim % 2 ||
       dm.intermediate < 1 || dm.heads % dm.kv_heads || !(dm.eps > 0))
     detail::value_error(kWhat, ": dims hidden ", dm.hidden, ", heads ", dm.heads, ", kv_heads ", dm.kv_heads,
                         ", head_dim ", dm.head_dim, ", intermediate ", dm.intermediate, ", eps ", dm.eps,
                         "; expected positive extents, an even head_dim, heads a multiple of kv_heads, eps > 0");
-  if (batch < 0 || t < 0) detail::value_error(kWhat, ": batch ", batch, " and t ", t, " must be >= 0");
   if (!w.qkv.data || !w.o.data || !w.gate_up.data || !w.down.data || !w.input_norm || !w.post_norm ||
       !w.q_norm || !w.k_norm)
     detail::value_error(kWhat, ": a weight pointer is null");
-  if (batch * t != 0 && (!h || !positions || !cos || !sin || !cache.k || !cache.v))
-    detail::value_error(kWhat, ": h, positions, cos, sin and the cache must be non-null");
+}
+
+void check_cache(const char* kWhat, const HostQwen3Dims& dm, const HostKVLayer& cache) {
   if (cache.max_len < 1 || cache.head_stride < cache.max_len * dm.head_dim ||
       cache.row_stride < dm.kv_heads * cache.head_stride)
     detail::value_error(kWhat, ": cache max_len ", cache.max_len, ", head_stride ", cache.head_stride,
                         ", row_stride ", cache.row_stride, " do not hold ", dm.kv_heads, " heads of max_len x ",
                         dm.head_dim);
+}
+
+void check(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h, std::int64_t batch, std::int64_t t,
+           const std::int64_t* positions, const float* cos, const float* sin, const HostKVLayer& cache) {
+  constexpr const char* kWhat = "host_qwen3_layer";
+  check_layer(kWhat, dm, w);
+  if (batch < 0 || t < 0) detail::value_error(kWhat, ": batch ", batch, " and t ", t, " must be >= 0");
+  if (batch * t != 0 && (!h || !positions || !cos || !sin || !cache.k || !cache.v))
+    detail::value_error(kWhat, ": h, positions, cos, sin and the cache must be non-null");
+  check_cache(kWhat, dm, cache);
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t j = 0; j < t; ++j) {
       const std::int64_t p = positions[b * t + j];
@@ -227,30 +274,49 @@ namespace {
 
 constexpr std::int64_t kPrefillTokens = 32;  // tokens per row from which a forward is a prefill, not a verify
 
-void layer_unchecked(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
-                     std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
-                     const HostKVLayer& cache) {
-  const std::int64_t rows = batch * t, hd = dm.hidden, qd = dm.heads * dm.head_dim;
-  const std::int64_t width = qd + 2 * dm.kv_heads * dm.head_dim;
-  if (!rows) return;
-  std::vector<float> xn(rows * hd), qkv(rows * width), attn(rows * qd), proj(rows * hd),
-      gu(rows * 2 * dm.intermediate), act(rows * dm.intermediate);
+using Linear = void (*)(const float*, std::int64_t, std::int64_t, const void*, DType, std::int64_t, float*);
 
-  // A prefill's products (a prompt per row) take a second thread: the drafter lane's core has nothing to do
-  // before the prompt's features exist. A verify's (d + 1 tokens a row) stay on this one, beside the drafter.
-  auto linear = t >= kPrefillTokens ? host_linear_two_threads : host_linear;
-  norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.data());
-  linear(xn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.data());
-  qk_rope_store(dm, w, qkv.data(), batch, t, positions, cos, sin, cache);
-  attention(dm, qkv.data(), batch, t, positions, cache, attn.data());
-  linear(attn.data(), rows, qd, w.o.data, w.o.dtype, hd, proj.data());
+// The layer's second half over rows of h [rows, hidden]: h += o(attn), then h += down(silu(gate(x)) * up(x)) over
+// the post-attention norm of h.
+void finish_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t rows,
+                  const float* attn, Linear linear) {
+  const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim;
+  std::vector<float> xn(rows * hd), proj(rows * hd), gu(rows * 2 * dm.intermediate), act(rows * dm.intermediate);
+  linear(attn, rows, qd, w.o.data, w.o.dtype, hd, proj.data());
   add_rows(h, proj.data(), rows * hd);
-
   norm_rows(h, w.post_norm, rows, hd, dm.eps, xn.data());
   linear(xn.data(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * dm.intermediate, gu.data());
   silu_mul(gu.data(), rows, dm.intermediate, act.data());
   linear(act.data(), rows, dm.intermediate, w.down.data, w.down.dtype, hd, proj.data());
   add_rows(h, proj.data(), rows * hd);
+}
+
+// qkv [rows, width] of h's rows: the input norm, the projection, q / k norms and RoPE (K/V into `cache` if it has
+// memory).
+std::vector<float> project_qkv(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h,
+                               std::int64_t batch, std::int64_t t, const std::int64_t* positions, const float* cos,
+                               const float* sin, const HostKVLayer& cache, Linear linear) {
+  const std::int64_t rows = batch * t, hd = dm.hidden;
+  const std::int64_t width = (dm.heads + 2 * dm.kv_heads) * dm.head_dim;
+  std::vector<float> xn(rows * hd), qkv(rows * width);
+  norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.data());
+  linear(xn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.data());
+  qk_rope_store(dm, w, qkv.data(), batch, t, positions, cos, sin, cache);
+  return qkv;
+}
+
+void layer_unchecked(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t batch,
+                     std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                     const HostKVLayer& cache) {
+  const std::int64_t rows = batch * t;
+  if (!rows) return;
+  // A prefill's products (a prompt per row) take a second thread: the drafter lane's core has nothing to do
+  // before the prompt's features exist. A verify's (d + 1 tokens a row) stay on this one, beside the drafter.
+  const Linear linear = t >= kPrefillTokens ? host_linear_two_threads : host_linear;
+  const std::vector<float> qkv = project_qkv(dm, w, h, batch, t, positions, cos, sin, cache, linear);
+  std::vector<float> attn(rows * dm.heads * dm.head_dim);
+  attention(dm, qkv.data(), batch, t, positions, cache, attn.data());
+  finish_layer(dm, w, h, rows, attn.data(), linear);
 }
 
 }  // namespace
@@ -287,6 +353,52 @@ void host_qwen3_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
       for (std::int64_t r = 0; r < rows; ++r)
         std::memcpy(features + r * features_width + capture[i], h + r * dm.hidden, sizeof(float) * dm.hidden);
   }
+}
+
+void host_block_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* contexts,
+                       std::int64_t n_layers, float* h, std::int64_t batch, std::int64_t t,
+                       const std::int64_t* ctx_lens, const std::uint8_t* visible, std::int64_t visible_stride,
+                       const float* cos, const float* sin, std::int64_t keep_from, const float* final_norm,
+                       float* out) {
+  constexpr const char* kWhat = "host_block_layers";
+  if (n_layers < 1 || !weights || !contexts)
+    detail::value_error(kWhat, ": n_layers = ", n_layers, " with weights and contexts; expected >= 1 layer");
+  if (batch < 0 || t < 1 || keep_from < 0 || keep_from >= t)
+    detail::value_error(kWhat, ": batch ", batch, ", t ", t, ", keep_from ", keep_from,
+                        "; expected batch >= 0, t >= 1 and 0 <= keep_from < t");
+  if (visible_stride != 0 && visible_stride != t * t)
+    detail::value_error(kWhat, ": visible_stride ", visible_stride, ", expected 0 (one mask) or t * t = ", t * t);
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    check_layer(kWhat, dm, weights[i]);
+    check_cache(kWhat, dm, contexts[i]);
+    if (!contexts[i].k || !contexts[i].v) detail::value_error(kWhat, ": layer ", i, "'s context cache is null");
+  }
+  if (batch == 0) return;
+  if (!h || !ctx_lens || !visible || !cos || !sin || !final_norm || !out)
+    detail::value_error(kWhat, ": h, ctx_lens, visible, cos, sin, final_norm and out must be non-null");
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t i = 0; i < n_layers; ++i)
+      if (ctx_lens[b] < 0 || ctx_lens[b] > contexts[i].max_len)
+        detail::value_error(kWhat, ": ctx_lens[", b, "] = ", ctx_lens[b], ", expected 0..", contexts[i].max_len);
+
+  // The drafter runs beside the target's verify: one thread, whatever the rows.
+  const HostKVLayer no_cache{};
+  const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim, kept = t - keep_from;
+  std::int64_t rows = batch * t;
+  std::vector<float> attn(rows * qd);
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    const std::vector<float> qkv = project_qkv(dm, weights[i], h, batch, t, nullptr, cos, sin, no_cache, host_linear);
+    block_attention(dm, qkv.data(), batch, t, ctx_lens, visible, visible_stride, contexts[i], attn.data());
+    if (i == n_layers - 1 && keep_from > 0) {  // nobody reads the first rows' outputs past their K/V
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::memmove(h + b * kept * hd, h + (b * t + keep_from) * hd, sizeof(float) * kept * hd);
+        std::memmove(attn.data() + b * kept * qd, attn.data() + (b * t + keep_from) * qd, sizeof(float) * kept * qd);
+      }
+      rows = batch * kept;
+    }
+    finish_layer(dm, weights[i], h, rows, attn.data(), host_linear);
+  }
+  norm_rows(h, final_norm, rows, hd, dm.eps, out);
 }
 
 }  // namespace dpara_rt

@@ -61,6 +61,20 @@ void host_qwen3_layers(const HostQwen3Dims& dims, const HostQwen3Weights* weight
                        const std::int64_t* positions, const float* cos, const float* sin,
                        const std::int64_t* capture, float* features, std::int64_t features_width);
 
+// A drafter's backbone over blocks of rows that attend to an injected context and to each other through a
+// visibility mask (a DPara boundary's spine and branches, a DSpark block): layers as host_qwen3_layer, except that
+// the rows' K/V stay out of the cache. Row (b, j) attends to slots 0..ctx_lens[b]-1 of contexts[i] (layer i's
+// context cache) and to the rows m of its own block with visible[b * visible_stride + j * t + m] != 0
+// (visible_stride 0: one mask for every block, else t * t). The last layer's output projection and MLP run for
+// rows keep_from.. of each block only (the rows before them give K/V, and nobody reads their outputs); out
+// [batch * (t - keep_from), hidden] = the final RMSNorm (weight final_norm) of those rows. h [batch * t, hidden]
+// holds the embedded rows and is overwritten; cos / sin [batch * t, head_dim] their RoPE tables. One thread.
+void host_block_layers(const HostQwen3Dims& dims, const HostQwen3Weights* weights, const HostKVLayer* contexts,
+                       std::int64_t n_layers, float* h, std::int64_t batch, std::int64_t t,
+                       const std::int64_t* ctx_lens, const std::uint8_t* visible, std::int64_t visible_stride,
+                       const float* cos, const float* sin, std::int64_t keep_from, const float* final_norm,
+                       float* out);
+
 // out [rows, n] = the RMSNorm of x [rows, n] with weight w [n] (float32, row-major), computed as the layers
 // compute their own norms: a native forward's final norm.
 void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64_t n, float eps, float* out);

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
+from dpara_rt.models import host_qwen3
 from dpara_rt.models.host_linear import HostLinear, native_target
+from dpara_rt.models.host_qwen3 import HostQwen3
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import RMSNorm, RopeTable, apply_rope, rope_inv_freq
 from dpara_rt import ops
@@ -240,6 +242,7 @@ class Drafter(nn.Module):
         self._inv_freq = {torch.device("cpu"): rope_inv_freq(c.head_dim, c.rope_theta)}
         self._rope_table = RopeTable()
         self.scale = c.head_dim ** -0.5
+        self._host = HostQwen3()  # the backbone's native layers (float32 on the host), packed on first use
         self._warned_d: set[int] = set()
         self.reset_parameters()
         w = embed_tokens.weight
@@ -370,6 +373,23 @@ class Drafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
+    def host_backbone(self, tokens: Tensor, positions: Tensor, cache: ContextCache, visible: Tensor,
+                      keep_from: int) -> Tensor | None:
+        """``backbone`` over the context cache and a block visibility [Q, Q] or [B, Q, Q] in one core call
+        (HostQwen3.run_block: per layer the same maths, in a fixed order), for a float32 drafter on the host at
+        inference: on the host the torch path's hundred-odd small operators cost more than its arithmetic.
+        None where the torch path runs (training, other dtypes and devices)."""
+        if self.dtype != torch.float32 or self.device.type != "cpu" or tokens.device.type != "cpu":
+            return None
+        h = self.embed_rows(tokens)
+        if not host_qwen3.usable(self, h, cache):
+            return None
+        b, q = tokens.shape
+        cos, sin = (t.reshape(b * q, -1).contiguous() for t in self._rope(positions))
+        return self._host.run_block(self.layers, self.config, self.norm.weight.detach(), h.contiguous(),
+                                    cache.lengths.contiguous(), visible.to(torch.uint8).contiguous(), cos, sin,
+                                    cache, keep_from)
+
     def forward(self, features: Tensor, tokens: Tensor, positions: Tensor, ctx_visible: Tensor,
                 block_visible: Tensor, logit_rows: Tensor | slice = slice(None)) -> Tensor:
         """Training forward: context = all of ``features`` [B,N,F] (row p at position p), rows ``tokens``
@@ -477,12 +497,15 @@ class Drafter(nn.Module):
             visible = visible.repeat(b, 1, 1)
             visible[:, p:, :p] = torch.arange(p)[None, None, :] < seen[:, None, None]
             positions[:, p:] += seen[:, None] - p
-        ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
-        lc = ctx_kv[0][0].shape[2]
-        dev = anchor.device
-        ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, tokens.shape[1], lc)
-        attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
-        return self.logits(self.backbone(tokens, positions.to(dev), ctx_kv, attend, keep_from=p + lead))
+        h = self.host_backbone(tokens, positions, cache, visible if visible.shape[0] > 1 else visible[0], p + lead)
+        if h is None:
+            ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
+            lc = ctx_kv[0][0].shape[2]
+            dev = anchor.device
+            ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, tokens.shape[1], lc)
+            attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
+            h = self.backbone(tokens, positions.to(dev), ctx_kv, attend, keep_from=p + lead)
+        return self.logits(h)
 
     @torch.inference_mode()
     def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
@@ -515,8 +538,10 @@ class Drafter(nn.Module):
         def attend(q, k_ctx, v_ctx, k_tree, v_tree):
             return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale)
 
-        ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
-        h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
+        h = self.host_backbone(tokens, positions, cache, tree_layout(w)[1], w + 1)
+        if h is None:
+            ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
+            h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
         if lead:  # branches 0..d, their draft rows
             h = h.view(b, w + 1, w, -1)[:, :d + 1, lead:].reshape(b, (d + 1) * d, -1)
         if not project:

@@ -33,7 +33,8 @@ def usable(model: nn.Module, h: Tensor, cache) -> bool:
 
 
 def _layer_tensors(layer: nn.Module) -> list[Tensor]:
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
+    mlp = layer.mlp if isinstance(getattr(layer, "mlp", None), nn.Module) else layer  # the drafter's layer holds its MLP
     return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.q_norm.weight, attn.k_norm.weight]
@@ -104,19 +105,40 @@ class HostQwen3:
                 capture: dict[int, int], features: Tensor | None) -> None:
         """Every layer over h [B * T, H] (float32, contiguous, updated in place) at positions [B, T] (int64,
         contiguous), cos / sin [B * T, head_dim], in one core call; h after layer i copied into features
-        [B * T, F] at column capture[i]. The core object is rebuilt when a layer is repacked or the cache or the
+        [B * T, F] at column capture[i]."""
+        stack = self._stack_for(layers, cache, [capture.get(i, -1) for i in range(len(layers))])
+        B, T = positions.shape
+        stack.forward(*_dims(cfg), h.data_ptr(), B, T, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      0 if features is None else features.data_ptr(), 0 if features is None else features.shape[-1])
+
+    def run_block(self, layers, cfg, final_norm: Tensor, h: Tensor, ctx_lens: Tensor, visible: Tensor, cos: Tensor,
+                  sin: Tensor, cache, keep_from: int) -> Tensor:
+        """A drafter's backbone over blocks of rows in one core call (``host_block_layers``): h [B, T, H] (float32,
+        contiguous; overwritten) attends to the first ctx_lens[b] (int64 [B]) slots of the context cache and to its
+        block's rows through visible [T, T] or [B, T, T] (uint8, contiguous); cos / sin [B * T, head_dim]. Returns
+        the final-normed rows keep_from.. of each block, [B, T - keep_from, H]."""
+        stack = self._stack_for(layers, cache, [-1] * len(layers))
+        B, T, H = h.shape
+        out = torch.empty(B, T - keep_from, H)
+        stack.block_forward(*_dims(cfg), h.data_ptr(), B, T, ctx_lens.data_ptr(), visible.data_ptr(),
+                            0 if visible.dim() == 2 else T * T, cos.data_ptr(), sin.data_ptr(), keep_from,
+                            final_norm.data_ptr(), out.data_ptr())
+        return out
+
+    def _stack_for(self, layers, cache, cols: list[int]):
+        """The core object over these layers and this cache, rebuilt when a layer is repacked or the cache or the
         capture changes."""
         packed = [self.packed(i, layer) for i, layer in enumerate(layers)]
         k, v = cache.k, cache.v  # [layers, rows, kv_heads, max_len, head_dim], v laid out as k
-        cols = [capture.get(i, -1) for i in range(len(layers))]
         key = (packed, k.data_ptr(), v.data_ptr(), k.stride(), v.stride(), k.shape, cols)
         if self._stack is None or self._stack[0] != key:
             if v.stride() != k.stride():
                 raise ValueError(f"KV cache v strides {v.stride()} differ from k's {k.stride()}; expected one layout")
             self._stack = key, _core.HostQwen3Stack([p.core for p in packed], k.data_ptr(), v.data_ptr(), k.stride(0),
                                                     k.stride(1), k.stride(2), k.shape[3], cols)
-        B, T = positions.shape
-        self._stack[1].forward(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                               cfg.intermediate_size, cfg.rms_norm_eps, h.data_ptr(), B, T, positions.data_ptr(),
-                               cos.data_ptr(), sin.data_ptr(), 0 if features is None else features.data_ptr(),
-                               0 if features is None else features.shape[-1])
+        return self._stack[1]
+
+
+def _dims(cfg) -> tuple:
+    return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.rms_norm_eps)

@@ -1,0 +1,156 @@
+// The drafter's block layers against the target's cached layers: a block whose rows see themselves causally after
+// a context equals the same tokens decoded through host_qwen3_layer over that context (within float32 rounding:
+// the two sum attention in different orders); the last layer's skipped rows change nothing of the kept ones; a
+// per-block mask; refusals name the value.
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "check.h"
+#include "dpara_rt/host_linear.h"
+#include "dpara_rt/host_qwen3.h"
+
+using namespace dpara_rt;
+using F = std::vector<float>;
+
+namespace {
+
+F noise(std::int64_t count, std::uint32_t seed, float scale) {
+  F out(count);
+  for (auto& v : out) {
+    seed = seed * 1664525u + 1013904223u;
+    v = scale * (static_cast<float>(seed >> 8) / 16777216.0f - 0.5f);
+  }
+  return out;
+}
+
+struct Layer {
+  std::vector<std::vector<float>> packed;
+  F norms;  // input, post (hidden each), q, k (head_dim each)
+  HostQwen3Weights w;
+};
+
+Layer make_layer(const HostQwen3Dims& dm, std::uint32_t seed) {
+  const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim, kvd = dm.kv_heads * dm.head_dim;
+  const std::int64_t shapes[4][2] = {{qd + 2 * kvd, hd}, {hd, qd}, {2 * dm.intermediate, hd}, {hd, dm.intermediate}};
+  Layer l;
+  for (auto& s : shapes) {
+    const F w = noise(s[0] * s[1], seed++, 0.4f);
+    l.packed.emplace_back(host_linear_packed_elems(s[0], s[1]));
+    host_linear_pack(w.data(), s[0], s[1], l.packed.back().data(), DType::float32);
+  }
+  l.norms = noise(2 * hd + 2 * dm.head_dim, seed, 0.5f);
+  for (auto& v : l.norms) v += 1.0f;
+  HostPackedLinear* lins[4] = {&l.w.qkv, &l.w.o, &l.w.gate_up, &l.w.down};
+  for (int i = 0; i < 4; ++i) *lins[i] = {l.packed[i].data(), DType::float32};
+  l.w.input_norm = l.norms.data();
+  l.w.post_norm = l.norms.data() + hd;
+  l.w.q_norm = l.norms.data() + 2 * hd;
+  l.w.k_norm = l.norms.data() + 2 * hd + dm.head_dim;
+  return l;
+}
+
+void rope(const HostQwen3Dims& dm, const std::vector<std::int64_t>& positions, F& cos, F& sin) {
+  const std::int64_t d = dm.head_dim, half = d / 2;
+  cos.assign(positions.size() * d, 0.0f);
+  sin.assign(positions.size() * d, 0.0f);
+  for (std::size_t r = 0; r < positions.size(); ++r)
+    for (std::int64_t i = 0; i < d; ++i) {
+      const double a = positions[r] * std::pow(10000.0, -2.0 * (i % half) / d);
+      cos[r * d + i] = static_cast<float>(std::cos(a));
+      sin[r * d + i] = static_cast<float>(std::sin(a));
+    }
+}
+
+float max_abs_diff(const float* a, const float* b, std::int64_t n) {
+  float m = 0;
+  for (std::int64_t i = 0; i < n; ++i) m = std::fmax(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+void test_a_causal_block_equals_decoding_after_the_context() {
+  const HostQwen3Dims dm{32, 4, 2, 8, 48, 1e-6f};
+  const std::int64_t layers = 2, ctx = 5, t = 6, max_len = 16, hd = dm.hidden, keep = 2;
+  std::vector<Layer> ls;
+  std::vector<HostQwen3Weights> ws;
+  for (int i = 0; i < layers; ++i) ls.push_back(make_layer(dm, 100u * (i + 1)));
+  for (auto& l : ls) ws.push_back(l.w);
+  const std::int64_t head_stride = max_len * dm.head_dim, row_stride = dm.kv_heads * head_stride;
+  F k(layers * row_stride), v(layers * row_stride);
+  std::vector<HostKVLayer> caches;
+  for (int i = 0; i < layers; ++i) caches.push_back({k.data() + i * row_stride, v.data() + i * row_stride, row_stride,
+                                                      head_stride, max_len});
+  // The context: ctx tokens through the cached layers (their K/V stay in the cache for both paths below).
+  std::vector<std::int64_t> pos(ctx);
+  for (std::int64_t j = 0; j < ctx; ++j) pos[j] = j;
+  F cos, sin, h = noise(ctx * hd, 7, 2.0f);
+  rope(dm, pos, cos, sin);
+  host_qwen3_layers(dm, ws.data(), caches.data(), layers, h.data(), 1, ctx, pos.data(), cos.data(), sin.data(),
+                    nullptr, nullptr, 0);
+
+  // The block first (it leaves the cache as it found it), then the same rows decoded through the cache.
+  pos.resize(t);
+  for (std::int64_t j = 0; j < t; ++j) pos[j] = ctx + j;
+  rope(dm, pos, cos, sin);
+  const F rows = noise(t * hd, 9, 2.0f);
+  std::vector<std::uint8_t> causal(t * t);
+  for (std::int64_t j = 0; j < t; ++j)
+    for (std::int64_t m = 0; m < t; ++m) causal[j * t + m] = m <= j;
+  const F final_norm = noise(hd, 11, 0.5f);
+  const std::int64_t lens[1] = {ctx};
+  F block = rows, out((t - keep) * hd), all = rows, out_all(t * hd);
+  host_block_layers(dm, ws.data(), caches.data(), layers, block.data(), 1, t, lens, causal.data(), 0, cos.data(),
+                    sin.data(), keep, final_norm.data(), out.data());
+  host_block_layers(dm, ws.data(), caches.data(), layers, all.data(), 1, t, lens, causal.data(), t * t, cos.data(),
+                    sin.data(), 0, final_norm.data(), out_all.data());
+  // skipping the first rows in the last layer changes nothing of the others (each row's arithmetic is its own)
+  CHECK(max_abs_diff(out.data(), out_all.data() + keep * hd, (t - keep) * hd) == 0.0f);
+
+  F decoded = rows, normed(t * hd);
+  host_qwen3_layers(dm, ws.data(), caches.data(), layers, decoded.data(), 1, t, pos.data(), cos.data(), sin.data(),
+                    nullptr, nullptr, 0);
+  host_rms_norm(decoded.data(), final_norm.data(), t, hd, dm.eps, normed.data());
+  CHECK(max_abs_diff(out_all.data(), normed.data(), t * hd) < 2e-5f);
+
+  // A block that sees only itself and the first context slot differs (the mask and ctx_lens are honoured).
+  std::vector<std::uint8_t> diagonal(t * t, 0);
+  for (std::int64_t j = 0; j < t; ++j) diagonal[j * t + j] = 1;
+  const std::int64_t one[1] = {1};
+  F alone = rows, out_alone(t * hd);
+  host_block_layers(dm, ws.data(), caches.data(), layers, alone.data(), 1, t, one, diagonal.data(), 0, cos.data(),
+                    sin.data(), 0, final_norm.data(), out_alone.data());
+  CHECK(max_abs_diff(out_alone.data(), out_all.data(), t * hd) > 1e-3f);
+  // ... and equals, row by row, that row decoded alone right after the first context token
+  for (std::int64_t j = 0; j < t; ++j) {
+    F row(rows.begin() + j * hd, rows.begin() + (j + 1) * hd), row_out(hd);
+    const std::int64_t at[1] = {1};
+    F row_cos(cos.begin() + j * dm.head_dim, cos.begin() + (j + 1) * dm.head_dim);
+    F row_sin(sin.begin() + j * dm.head_dim, sin.begin() + (j + 1) * dm.head_dim);
+    F kk = k, vv = v;  // a scratch cache: decoding writes the row's K/V at slot 1
+    std::vector<HostKVLayer> scratch;
+    for (int i = 0; i < layers; ++i)
+      scratch.push_back({kk.data() + i * row_stride, vv.data() + i * row_stride, row_stride, head_stride, max_len});
+    host_qwen3_layers(dm, ws.data(), scratch.data(), layers, row.data(), 1, 1, at, row_cos.data(), row_sin.data(),
+                      nullptr, nullptr, 0);
+    host_rms_norm(row.data(), final_norm.data(), 1, hd, dm.eps, row_out.data());
+    CHECK(max_abs_diff(out_alone.data() + j * hd, row_out.data(), hd) < 2e-5f);
+  }
+
+  // refusals name the value
+  F scratch_h = rows;
+  CHECK_THROWS(host_block_layers(dm, ws.data(), caches.data(), layers, scratch_h.data(), 1, t, lens, causal.data(), 0,
+                                 cos.data(), sin.data(), t, final_norm.data(), out.data()),
+               std::invalid_argument, "keep_from 6");
+  const std::int64_t too_long[1] = {max_len + 1};
+  CHECK_THROWS(host_block_layers(dm, ws.data(), caches.data(), layers, scratch_h.data(), 1, t, too_long,
+                                 causal.data(), 0, cos.data(), sin.data(), 0, final_norm.data(), out.data()),
+               std::invalid_argument, "ctx_lens[0] = 17");
+}
+
+}  // namespace
+
+int main() {
+  test_a_causal_block_equals_decoding_after_the_context();
+  return check::finish("test_host_qwen3");
+}
