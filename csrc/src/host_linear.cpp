@@ -64,6 +64,18 @@ DPARA_RT_INLINE void load_weights(const float* p, typename Lanes<N>::F& lo, type
   std::memcpy(&hi, p + N, sizeof hi);
 }
 
+// The panels are contiguous, so a tile's weights run on into the next panel's: the line kPrefetchBytes ahead of
+// the row a tile reads is requested before it is needed. With the hardware prefetcher alone the transfer and the
+// arithmetic took turns: a verify of 8 tokens with the weights out of cache took 4.21 ms, 3.58 with this (and
+// 49.3 against 40.9 ms at batch 16; 1024-8192 bytes ahead measured alike, one token's decode unchanged).
+constexpr std::int64_t kPrefetchBytes = 4096;
+template <class W>
+DPARA_RT_INLINE void prefetch_ahead(const W* row) {
+  const char* p = reinterpret_cast<const char*>(row) + kPrefetchBytes;
+  __builtin_prefetch(p);
+  if (sizeof(W) == 4) __builtin_prefetch(p + 64);  // a float32 panel row is two lines
+}
+
 // Where a packed panel row keeps column c (0..31): in order for float32; for bfloat16 interleaved per group
 // of 16 as load_weights reads it.
 constexpr std::int64_t packed_position(std::int64_t c, bool bf16) {
@@ -79,6 +91,7 @@ DPARA_RT_INLINE void tile(const float* x, std::int64_t k_dim, const W* panel, fl
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = F16{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
     F16 w0, w1;
+    prefetch_ahead(panel + k * kPanel);
     load_weights<16>(panel + k * kPanel, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
@@ -111,6 +124,7 @@ DPARA_RT_INLINE void tile8(const float* x, std::int64_t k_dim, const W* const (&
     for (int v = 0; v < 2 * G; ++v) acc[m][v] = F8{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
     F8 w[2 * G];
+    for (int g = 0; g < G; g += 2) prefetch_ahead(groups[g] + k * kPanel);  // groups g and g + 1 share a line
     for (int g = 0; g < G; ++g) load_weights<8>(groups[g] + k * kPanel, w[2 * g], w[2 * g + 1]);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
