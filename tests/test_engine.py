@@ -206,6 +206,24 @@ def test_auto_picks_a_method_per_batch_size_and_stays_exact(pair):
         assert out.stats.method == f"auto({eng.auto_choices[batch]})"
 
 
+def test_auto_times_its_candidates_over_its_own_budget_whatever_the_first_call_asks(pair):
+    """A first call of 3 tokens (a warm-up) does not shrink the probe: each candidate runs 8 (d + 1) tokens, so a
+    speculative one is timed past its serially drafted first round; the call itself still gets its 3 tokens."""
+    target, drafter = pair
+    eng = Engine(target, drafter, method="auto", d=5)
+    budgets = []
+    decode = eng._decode
+
+    def recording(ticket, method, opts, prompts, trace, admission=None):
+        budgets.append(opts.max_new_tokens)
+        return decode(ticket, method, opts, prompts, trace, admission)
+    eng._decode = recording
+    prompts = prompts_for(1, seed=8)
+    out = eng.generate(prompts, 3)
+    assert budgets[:-1] == [8 * (5 + 1)] * (AUTO_TURNS * len(AUTO_CANDIDATES)) and budgets[-1] == 3
+    assert out.tokens == ar_reference(target, prompts, 3)
+
+
 @pytest.mark.parametrize("fastest", ["ar", "dspark", "dpara-logits", "dpara-hidden"])
 def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, fastest):
     """The rule itself, on recorded measurements: (verify + exposed draft) / tau, each candidate's best of its

@@ -203,10 +203,18 @@ class Engine:
         the first turn's warm-up (a drafter worker's first calls, cold caches), measured slower for every
         candidate, does not decide. A run is 8 (d + 1) new tokens: with 4 (d + 1), a speculative run's handful of
         rounds still carried its first ones (a cold drafter, the lower acceptance at a prompt's start) and AR,
-        timed over as many tokens in four times the rounds, looked faster than it is."""
+        timed over as many tokens in four times the rounds, looked faster than it is. That budget is the probe's
+        own, not the call's: a first call of a few tokens (a warm-up) would otherwise time speculation on its
+        serially drafted first round alone and settle the batch size on AR for good."""
         B = len(prompts)
         if B not in self.auto_choices:
-            short = dataclasses.replace(opts, max_new_tokens=min(8 * (opts.d + 1), opts.max_new_tokens))
+            budget = 8 * (opts.d + 1)
+            try:
+                self.check_fits(prompts, budget)
+            except ValueError:  # a cache of fixed length, or a model's position limit: what the call itself fits
+                budget = min(budget, opts.max_new_tokens)
+            short = dataclasses.replace(opts, max_new_tokens=budget)
+            self._reserve(prompts, short)
             cost = dict.fromkeys(AUTO_CANDIDATES, float("inf"))
             for _ in range(AUTO_TURNS):
                 for name in AUTO_CANDIDATES:
