@@ -529,17 +529,17 @@ class Drafter(nn.Module):
         w = d + lead
         if lead:
             spine = torch.cat([spine, spine[:, -1:]], dim=1)
-        offsets, _ = tree_layout(w)
+        offsets, visible = tree_layout(w)
         dev = spine.device
         tokens = torch.cat([spine, torch.full((b, (w + 1) * w), MASK_ID, device=dev)], dim=1)
         positions = (cache.lengths[:, None] + offsets).to(dev)
-        ctx_lens = cache.lengths.to(dev)
-
-        def attend(q, k_ctx, v_ctx, k_tree, v_tree):
-            return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale)
-
-        h = self.host_backbone(tokens, positions, cache, tree_layout(w)[1], w + 1)
+        h = self.host_backbone(tokens, positions, cache, visible, w + 1)
         if h is None:
+            ctx_lens = cache.lengths.to(dev)
+
+            def attend(q, k_ctx, v_ctx, k_tree, v_tree):
+                return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale)
+
             ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
             h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
         if lead:  # branches 0..d, their draft rows
