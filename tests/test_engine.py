@@ -309,14 +309,17 @@ def test_every_variant_name_maps_back_to_itself():
 
 
 def test_dpara_picks_its_ring_for_the_drafters_hardware(pair):
-    """A float32 host drafter keeps hidden states (projecting 56 rows on FMA units outlasts the verify); a bf16
-    drafter, whose projection bf16 matrix hardware would do, keeps boundary logits; an explicit ring stays."""
+    """A host drafter keeps hidden states whatever its dtype (projecting 56 rows on the host outlasts the
+    verify); a drafter on a GPU, whose matrix units make the projection cheap, keeps boundary logits; an
+    explicit ring stays."""
     import copy
     target, drafter = pair
     eng = Engine(target, drafter, method="dpara", d=4)
     assert (eng.defaults.dpara_ring, eng.name) == ("hidden", "dpara-hidden")
     bf16 = copy.deepcopy(drafter).to(torch.bfloat16)
-    assert ring_for(bf16) == "logits" and ring_for(drafter) == "hidden"
+    assert ring_for(bf16) == "hidden" and ring_for(drafter) == "hidden"
+    on_gpu = type("OnGpu", (), {"device": torch.device("cuda", 0), "dtype": torch.bfloat16})()
+    assert ring_for(on_gpu) == "logits"
     assert Engine(target, drafter, method="dpara", d=4, dpara_ring="logits").name == "dpara-logits"
 
 
