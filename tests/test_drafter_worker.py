@@ -11,7 +11,7 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.core import slot_tensor, staging_tensor
-from dpara_rt.drafter_context import DrafterWorker, LocalContext, WorkerContext
+from dpara_rt.drafter_context import BranchSplit, DrafterWorker, LocalContext, WorkerContext
 from dpara_rt.engine import Engine
 from engine_pairs import predictable_pair
 
@@ -260,13 +260,54 @@ def test_the_worker_projects_a_share_of_branch_r_and_the_drafts_are_the_same(pai
     assert len(shares) >= shared.stats.rounds - 2 and {a[2] for a in shares} == {0, 1}  # both halves of the buffer
     vocab = drafter.config.vocab_size
     assert all(0 < a[3] < vocab and a[3] % _core.HOST_LINEAR_PANEL == 0 for a in shares), shares[:2]
+    # Wherever the split falls, round by round (one panel for either side, or the middle), the drafts are the same
+    panel, seen = _core.HOST_LINEAR_PANEL, []
+
+    def jump(self, head, worker, received_ns, columns):
+        seen.append(columns)
+        self.columns = (panel, vocab - panel, vocab // 2 // panel * panel)[len(seen) % 3]
+    monkeypatch.setattr(BranchSplit, "observe", jump)
+    sent.clear()
+    jumping = decode()
+    assert {panel, vocab - panel} <= set(seen) and len(seen) == len([op for op, _ in sent if op == "project_branch"])
     monkeypatch.setattr(Decoder, "project_ahead", lambda self, out, slot: None)
     sent.clear()
     alone = decode()
     assert not [op for op, _ in sent if op == "project_branch"]
-    assert shared.tokens == alone.tokens and shared.stats.tau == alone.stats.tau
-    assert shared.stats.acceptance_histogram == alone.stats.acceptance_histogram
+    for other in (shared, jumping):
+        assert other.tokens == alone.tokens and other.stats.tau == alone.stats.tau
+        assert other.stats.acceptance_histogram == alone.stats.acceptance_histogram
     monkeypatch.setattr(Decoder, "project_ahead", ahead)
+
+
+def test_the_branch_split_moves_to_where_the_head_and_the_workers_reply_finish_together():
+    """BranchSplit from the spans it is shown: a head twice as fast per column as the worker, both starting
+    together and the reply delivered at once, settles on 2/3 of the columns; a worker starting earlier leaves
+    the head fewer; a reply that arrives late (the head waited past the worker's end) moves columns
+    to the head. Columns stay on panel edges with a panel for each side."""
+    panel, vocab = 32, 3200
+
+    def settle(start_gap_ns: int, delivery_ns: int, rounds: int = 60) -> BranchSplit:
+        split = BranchSplit(vocab, 1, panel)
+        for _ in range(rounds):
+            c = split.columns
+            assert c % panel == 0 and panel <= c <= vocab - panel, c
+            head = (10_000, 10_000 + 1 * c)  # 1 ns a column
+            worker = (10_000 - start_gap_ns, 10_000 - start_gap_ns + 2 * (vocab - c))  # 2 ns a column
+            split.observe(head, worker, max(head[1], worker[1] + delivery_ns), c)
+        return split
+    assert BranchSplit(vocab, 1, panel).columns == 1216  # 3/8 of the columns before any span, on a panel edge
+    together = settle(0, 0)
+    assert abs(together.columns - 2 * vocab / 3) <= panel, together.columns
+    early = settle(2000, 0)  # a worker starting 2000 ns earlier: the head takes (6400 - 2000) / 3 of them
+    assert abs(early.columns - (2 * vocab - 2000) / 3) <= panel, early.columns
+    late = settle(0, 300)  # a reply 300 ns behind the worker's end: 100 more columns for the head
+    assert late.delivery_ns > 200 and abs(late.columns - (2 * vocab + 300) / 3) <= panel, (late.columns,
+                                                                                           late.delivery_ns)
+    assert settle(10 ** 9, 0).columns == panel  # a worker far ahead takes all but the head's one panel
+    assert settle(-10 ** 9, 0).columns == vocab - panel  # and far behind, all but its own one
+    with pytest.raises(ValueError, match="vocab 32 must exceed one panel"):
+        BranchSplit(32, 1, panel)
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

@@ -79,6 +79,46 @@ class LocalContext:
         return torch.empty(shape, dtype=torch.float32)
 
 
+class BranchSplit:
+    """Where the Markov head's columns of branch r's projection end and the worker's begin (a panel edge), for one
+    batch size of one worker. Each shared projection reports both sides' spans on the lanes' clock, and the split
+    moves toward the column where the head finishes just as the worker's reply arrives: the two sides start at
+    different times (the worker when verification posts its share, the head after settling the backbone) and run
+    at different speeds (the head right after a verify that streamed the target's weights, the worker on its own
+    cache), which a fixed share gets right on one host only (3/8 for the head on an AVX2 host, about half on an
+    AVX-512 one). The reply's delivery (the worker's send, this process waking from its wait) is part of the
+    worker's side. Where the split falls does not change the logits: every column gets the same FMA chain
+    whichever side computes it."""
+    SMOOTHING = 0.25  # of each projection's estimate: one round's spans are noisy
+
+    def __init__(self, vocab: int, batch: int, panel: int):
+        if not vocab > panel:
+            raise ValueError(f"BranchSplit: vocab {vocab} must exceed one panel ({panel} columns) to be shared")
+        self.vocab, self.panel = vocab, panel
+        # before any span: (4B - 1) / 8B of the columns for the head (3/8 at batch 1, about half at batch 16)
+        self._estimate = vocab * (4 * batch - 1) / (8 * batch)
+        self.columns = self._edge(self._estimate)
+        self.delivery_ns = 0.0  # from the worker's end to the head holding its reply, when the head waited
+
+    def _edge(self, cols: float) -> int:
+        """cols on a panel edge, leaving each side at least one panel."""
+        return min(max(self.panel, int(round(cols / self.panel)) * self.panel), self.vocab - self.panel)
+
+    def observe(self, head: tuple[int, int], worker: tuple[int, int], received_ns: int, columns: int) -> None:
+        """The spans (start_ns, end_ns) of the head's projection of columns [0, columns) and the worker's of the
+        rest, and when the head held the worker's reply. At its rate each side would be done with split c at
+        h0 + c hc and w0 + (V - c) wc + delivery; equal at c = (w0 - h0 + delivery + V wc) / (hc + wc)."""
+        (h0, h1), (w0, w1) = head, worker
+        s = self.SMOOTHING
+        if w1 > h1:  # the head was waiting when the worker finished: the reply's delivery shows
+            self.delivery_ns += s * (max(received_ns - w1, 0) - self.delivery_ns)
+        hc = max(h1 - h0, 1) / columns  # ns per column
+        wc = max(w1 - w0, 1) / (self.vocab - columns)
+        balanced = (w0 - h0 + self.delivery_ns + self.vocab * wc) / (hc + wc)
+        self._estimate += s * (min(max(balanced, 0.0), float(self.vocab)) - self._estimate)
+        self.columns = self._edge(self._estimate)
+
+
 class WorkerContext:
     """The same calls as LocalContext, made in a DrafterWorker, from one lane at a time. ``absorb``, ``boundary``
     and ``absorb_and_fill`` return at once: the caller neither waits nor holds the interpreter while the worker
@@ -174,18 +214,28 @@ class WorkerContext:
             done += got
         return done
 
-    def _wait_for(self, op: str, what: str) -> None:
-        """Wait for the `op` posted last. Replies before it (an absorb sent ahead) are kept for settle."""
+    def _wait_for(self, op: str, what: str) -> tuple:
+        """Wait for the `op` posted last; its reply (op, value, span). Replies before it (an absorb sent ahead) are
+        kept for settle."""
         done = self._collect_through((op,))
         if not done or done[-1][0] != op:
             raise RuntimeError(f"the drafter worker answered {[o for o, _, _ in done]} where {what} was expected")
         self._early += done[:-1]
+        return done[-1]
 
     def wait_q(self) -> None:
         self._wait_for("markov_q", "the draft's q")
 
-    def wait_branch(self) -> None:
-        self._wait_for("project_branch", "its share of branch r's projection")
+    def wait_branch(self) -> tuple[int, int]:
+        """Wait for the worker's share of branch r; its (start_ns, end_ns)."""
+        return self._wait_for("project_branch", "its share of branch r's projection")[2]
+
+    def branch_split(self, vocab: int, batch: int) -> BranchSplit:
+        """The head's and the worker's shares of branch r at this batch size, learned across this worker's decodes."""
+        key = (vocab, batch)
+        if key not in self.worker.splits:
+            self.worker.splits[key] = BranchSplit(vocab, batch, _core.HOST_LINEAR_PANEL)
+        return self.worker.splits[key]
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         self.worker.call("reset_row", b, _to_pipe(features))
@@ -245,6 +295,7 @@ class DrafterWorker:
         self._lock = threading.Lock()
         self._pending: list[str] = []  # ops posted and not yet answered, in order
         self._broken: str | None = None
+        self.splits: dict[tuple[int, int], BranchSplit] = {}  # WorkerContext.branch_split's, per (vocab, batch)
         self.call("ping")
 
     @property
@@ -488,4 +539,4 @@ def _serve(conn, drafter, cores, threads: int) -> None:
     os._exit(0)  # skip atexit handlers inherited through imports (the core's lane drain has no lanes here)
 
 
-__all__ = ["DrafterWorker", "LocalContext", "WORKER_MODES", "WorkerContext"]
+__all__ = ["BranchSplit", "DrafterWorker", "LocalContext", "WORKER_MODES", "WorkerContext"]

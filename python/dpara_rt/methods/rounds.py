@@ -152,7 +152,7 @@ class Decoder:
         self._zeros: Tensor | None = None  # _first_row's
         self._branch_logits: Tensor | None = None  # the hidden ring's projected branch r, when no worker reads it
         self._packed_head = None  # the hidden ring on the host: the output head for HostMarkovHead.from_hidden
-        self._shared_slot: int | None = None  # the slot whose branch r the worker is projecting a share of
+        self._shared = None  # (slot, BranchSplit, head's columns): the worker is projecting the rest of branch r
         # The head call count when each row's request took it: a per-request seed's Markov offset is the calls
         # since then, so a request that joins a running decode draws what it draws alone (as from a fresh decode)
         self._row_origin = [0] * B
@@ -301,19 +301,9 @@ class Decoder:
         if (out.finished or self.worker_q is None or self._packed_head is None or self._head_per_row
                 or vocab <= _core.HOST_LINEAR_PANEL):  # one panel: nothing to share
             return
-        self.context.project_branch(slot, out.r, (self._markov_calls + 1) % 2,
-                                    self._shared_columns(vocab, self.state.batch()))
-        self._shared_slot = slot
-
-    @staticmethod
-    def _shared_columns(vocab: int, batch: int) -> int:
-        """Where the head's columns end and the worker's begin, on a panel edge: (4B - 1) / 8B of them for the
-        head. At batch 1 the head takes 3/8: it first settles the backbone while the worker starts as soon as
-        verification posts its share (interleaved on the embedded pair: 0.3-0.4 within noise of each other, 0.5
-        slower). At batch 16 the products dominate and about half each is best (head link 7.79 ms alone, 5.35 at
-        0.49, 5.43 at 0.5, 5.63 at 0.6 of the columns for the head)."""
-        panel = _core.HOST_LINEAR_PANEL
-        return max(panel, vocab * (4 * batch - 1) // (8 * batch) // panel * panel)
+        split = self.context.branch_split(vocab, self.state.batch())
+        self.context.project_branch(slot, out.r, (self._markov_calls + 1) % 2, split.columns)
+        self._shared = (slot, split, split.columns)
 
     def send(self, prev: Outcome, tokens: Tensor, q: Tensor | None) -> Draft:
         """Head lane (the drafter lane unless a worker process drafts): stage the draft for the round after `prev`."""
@@ -442,14 +432,17 @@ class Decoder:
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, ("ring", slot))
             B, vocab = len(r_host), self.drafter.config.vocab_size
-            if self._shared_slot == slot:  # the worker projects the last columns meanwhile (project_ahead)
-                self._shared_slot = None
+            if self._shared is not None and self._shared[0] == slot:  # the worker projects the last columns meanwhile
+                _, split, columns = self._shared
+                self._shared = None
                 out, q_from = self.worker_q.branch(B, self.d, vocab, self._markov_calls + 1)
                 rows = branch_rows(boundary, r_host)
                 packed, dtype = self._packed_head
+                t0 = _core.now_ns()
                 _core.host_linear(rows.data_ptr(), B * self.d, rows.shape[-1], packed.data_ptr(), dtype, vocab,
-                                  out.data_ptr(), 0, self._shared_columns(vocab, B))
-                self.context.wait_branch()
+                                  out.data_ptr(), 0, columns)
+                t1 = _core.now_ns()
+                split.observe((t0, t1), self.context.wait_branch(), _core.now_ns(), columns)
                 return self.markov(out[:, None], self._first_row(B), bonus, q_from if self.opts.sampling else None)
             out = q_from = None
             if self.worker_q is not None and self.opts.sampling and not self._head_per_row:
