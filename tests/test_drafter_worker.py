@@ -59,7 +59,7 @@ def test_worker_context_computes_what_the_local_one_does(pair, worker, project, 
 
     prompt = torch.randn(B, 9, F, generator=g)
     for ctx in (local, remote):
-        ctx.absorb(prompt, torch.tensor([9, 6]))  # not staged: goes through torch's shared memory
+        ctx.absorb(prompt, torch.tensor([9, 6]))  # not staged: goes through the worker's "prompt" scratch
     remote.settle()
     bonus = torch.tensor([5, 7])
     assert torch.equal(local.block_logits(bonus, D, False), remote.block_logits(bonus, D, False))
@@ -85,6 +85,36 @@ def test_worker_context_computes_what_the_local_one_does(pair, worker, project, 
         ctx.grow(3)
     assert torch.equal(local.block_logits(torch.tensor([1, 2, 3]), D, False),
                        remote.block_logits(torch.tensor([1, 2, 3]), D, False))
+
+
+def test_a_prompt_larger_than_the_scratch_grows_it_and_the_replies_in_flight_are_kept(pair, worker, one_thread):
+    """A prefill's features cross in a shared scratch buffer that grows (a new mapping in the worker) when a prompt
+    outgrows it. Growing waits for the worker without dropping the reply of a boundary still in flight (settle
+    still gets its spans), and the worker computes from the new mapping what the local context does."""
+    _, drafter = pair
+    B, F = 2, drafter.config.feature_size
+    g = torch.Generator().manual_seed(1)
+    local, remote = LocalContext(drafter, B, 2048), WorkerContext(worker, B, 2048)
+    staging, ring = _buffers(drafter, B, False)
+    remote.map_buffers(staging, ring)
+    small = torch.randn(B, 5, F, generator=g)
+    for ctx in (local, remote):
+        ctx.absorb(small, torch.tensor([5, 4]))
+    remote.settle()
+    spine = torch.randint(0, drafter.config.vocab_size, (B, D + 1), generator=g)
+    expect = torch.empty_like(slot_tensor(ring, 0))
+    local.boundary(spine, 0, expect, False)
+    remote.boundary(spine, 0, None, False)  # in flight while the scratch grows
+    T = (1 << 20) // (B * F * 4) + 40  # past the first mapping's megabyte
+    big = torch.randn(B, T, F, generator=g)
+    before = worker.scratch["prompt"][1].numel()
+    for ctx in (local, remote):
+        ctx.absorb(big, torch.tensor([T, T - 7]))
+    assert worker.scratch["prompt"][1].numel() >= big.nbytes > before
+    assert [name for name, _, _ in remote.settle()] == ["backbone", "context"]
+    assert torch.equal(slot_tensor(ring, 0), expect)
+    bonus = torch.tensor([4, 2])
+    assert torch.equal(local.block_logits(bonus, D, False), remote.block_logits(bonus, D, False))
 
 
 def test_worker_error_is_raised_here_with_its_traceback_and_the_worker_goes_on(worker):

@@ -36,7 +36,8 @@ from dpara_rt.core import branch_rows
 from dpara_rt.native import gumbel_noise
 
 WORKER_MODES = ("auto", "thread", "process")
-_PHASES = {"absorb": "context", "absorb_staged": "context", "boundary": "backbone"}  # worker call -> timeline phase
+# worker call -> timeline phase
+_PHASES = {"absorb_prompt": "context", "absorb_staged": "context", "boundary": "backbone"}
 
 
 class LocalContext:
@@ -154,10 +155,41 @@ class WorkerContext:
         if phase is not None:  # a round's features: the worker reads them where the target lane staged them
             self.worker.post("absorb_staged", phase, tuple(features.shape), str(features.dtype), keep)
         else:  # a prefill's or a restart's features: once per decode or join
-            self.worker.post("absorb", _to_pipe(features), keep)
+            self.worker.post("absorb_prompt", *self._to_scratch(features), keep)
 
     def block_logits(self, bonus: torch.Tensor, n: int, untrained_ok: bool) -> torch.Tensor:
-        return _from_pipe(self.worker.call("block_logits", bonus.tolist(), n, untrained_ok))
+        """A decode's first draft (and a restart's): the worker writes the logits into the "block" scratch."""
+        self._scratch("block", len(bonus) * n * self.worker.vocab * 4)  # float32 at most
+        dtype, shape = self.worker.call("block_logits", bonus.tolist(), n, untrained_ok)
+        return _scratch_view(self.worker.scratch["block"][1], shape, dtype).clone()
+
+    def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
+        """The worker's byte buffer `name` shared with this process (kept across decodes), grown to hold nbytes:
+        a prefill's features ("prompt") and a first draft's logits ("block") cross through it, not the pipe,
+        whose pickled bytes cost a decode's first round half a millisecond or more."""
+        have = self.worker.scratch.get(name)
+        if have is None or have[1].numel() < nbytes:
+            size = max(1 << 20, 1 << max(nbytes - 1, 0).bit_length())
+            fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                mapping = mmap.mmap(fd, size)
+                self.worker.post("map_scratch", name, size, fds=(fd,))
+            finally:
+                os.close(fd)
+            self._wait_for("map_scratch", f"the {name!r} scratch mapped")  # replies before it stay for settle
+            self.worker.scratch[name] = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+        return self.worker.scratch[name][1]
+
+    def _to_scratch(self, features: torch.Tensor) -> tuple[tuple, str]:
+        """features copied into the "prompt" scratch, once the worker has absorbed what it held; (shape, dtype)."""
+        if "absorb_prompt" in self.worker.pending or "reset_row" in self.worker.pending:
+            self._early += self._collect_through(("absorb_prompt", "reset_row"))
+        features = features.detach().to("cpu")
+        raw = self._scratch("prompt", features.numel() * features.element_size())
+        shape, dtype = tuple(features.shape), str(features.dtype).removeprefix("torch.")
+        _scratch_view(raw, shape, dtype).copy_(features)
+        return shape, dtype
 
     def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor | None, project: bool,
                  noise: tuple | None = None) -> None:
@@ -238,7 +270,7 @@ class WorkerContext:
         return self.worker.splits[key]
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
-        self.worker.call("reset_row", b, _to_pipe(features))
+        self.worker.call("reset_row", b, *self._to_scratch(features))
 
     def grow(self, batch: int) -> None:
         self.worker.call("grow", batch)
@@ -296,11 +328,18 @@ class DrafterWorker:
         self._pending: list[str] = []  # ops posted and not yet answered, in order
         self._broken: str | None = None
         self.splits: dict[tuple[int, int], BranchSplit] = {}  # WorkerContext.branch_split's, per (vocab, batch)
+        self.scratch: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # WorkerContext._scratch's byte buffers
+        self.vocab = drafter.config.vocab_size
         self.call("ping")
 
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """The ops posted and not yet answered, in order."""
+        return tuple(self._pending)
 
     @property
     def alive(self) -> bool:
@@ -312,7 +351,7 @@ class DrafterWorker:
             if self._broken is not None:  # a dead process shows as EOF / a broken pipe: no poll per call
                 self._check_alive(op)
             try:
-                # plain pickle: per-round calls carry only numbers and lists (tensors go as bytes, _to_pipe)
+                # plain pickle: calls carry only numbers and lists (tensors cross in shared memory)
                 self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
                 for fd in fds:
                     reduction.send_handle(self._conn, fd, self._proc.pid)
@@ -408,6 +447,8 @@ class _Worker:
         self._shared: dict[str, torch.Tensor] = {}  # float32 buffers shared with the caller: "noise", "q"
         self._shared_maps: dict[str, mmap.mmap] = {}
         self._head = None  # the drafter's packed output head, for project_branch
+        self._scratch: dict[str, torch.Tensor] = {}  # byte buffers the caller grows: "prompt", "block"
+        self._scratch_maps: dict[str, mmap.mmap] = {}
 
     def ping(self):
         return os.getpid()
@@ -425,16 +466,13 @@ class _Worker:
         slots = torch.frombuffer(ring, dtype=getattr(torch, ring_dtype)).view(ring_shape)
         self._slots = list(slots)
 
-    def absorb(self, features: tuple, keep: list[int]) -> None:
-        self.drafter.extend_context(self.cache, _from_pipe(features), torch.tensor(keep))
+    def absorb_prompt(self, shape: tuple, dtype: str, keep: list[int]) -> None:
+        self.drafter.extend_context(self.cache, _scratch_view(self._scratch["prompt"], shape, dtype),
+                                    torch.tensor(keep))
 
     def absorb_staged(self, phase: int, shape: tuple, dtype: str, keep: list[int]) -> None:
-        dt = getattr(torch, dtype.removeprefix("torch."))
-        n = 1
-        for s in shape:
-            n *= s
-        features = self._features[phase][:n * dt.itemsize].view(dt).view(shape)
-        self.drafter.extend_context(self.cache, features, torch.tensor(keep))
+        self.drafter.extend_context(self.cache, _scratch_view(self._features[phase], shape, dtype),
+                                    torch.tensor(keep))
 
     def absorb_and_fill(self, phase: int, shape: tuple, dtype: str, keep: list[int], spine: list[list[int]],
                         slot: int, project: bool, noise: tuple | None) -> int:
@@ -446,7 +484,10 @@ class _Worker:
 
     def block_logits(self, bonus: list[int], n: int, untrained_ok: bool) -> tuple:
         # A decode's first draft and restarts only, not every round.
-        return _to_pipe(self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok))
+        logits = self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok)
+        shape, dtype = tuple(logits.shape), str(logits.dtype).removeprefix("torch.")
+        _scratch_view(self._scratch["block"], shape, dtype).copy_(logits)
+        return dtype, shape
 
     def boundary(self, spine: list[list[int]], slot: int, project: bool, noise: tuple | None) -> None:
         self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=self._slots[slot], project=project)
@@ -479,27 +520,22 @@ class _Worker:
         self._shared_maps[name] = _map(reduction.recv_handle(conn), 4 * math.prod(shape))
         self._shared[name] = torch.frombuffer(self._shared_maps[name], dtype=torch.float32).view(shape)
 
-    def reset_row(self, b: int, features: tuple) -> None:
-        _reset_row(self.drafter, self.cache, b, _from_pipe(features))
+    def reset_row(self, b: int, shape: tuple, dtype: str) -> None:
+        _reset_row(self.drafter, self.cache, b, _scratch_view(self._scratch["prompt"], shape, dtype))
+
+    def map_scratch(self, name: str, size: int, conn) -> None:
+        mapping = _map(reduction.recv_handle(conn), size)
+        self._scratch[name] = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._scratch_maps[name] = mapping  # the tensor aliases it
 
     def grow(self, batch: int) -> None:
         self.cache = _grown(self.drafter, self.cache, batch)
 
 
-def _to_pipe(t: torch.Tensor) -> tuple:
-    """A tensor as (dtype, shape, bytes) for the pipe. Pickled bytes cross it in one write; torch's shared-memory
-    pickling of a tensor would pass a file descriptor through a helper thread and socket (about a millisecond
-    under spawn, and the receiving side's wait is on the critical path of a decode's first draft)."""
-    t = t.detach().to("cpu").contiguous()
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _from_pipe(packed: tuple) -> torch.Tensor:
-    dtype, shape, raw = packed
-    dtype = getattr(torch, dtype)
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
+def _scratch_view(raw: torch.Tensor, shape: tuple, dtype: str) -> torch.Tensor:
+    """The first bytes of the byte tensor `raw` as a tensor of `shape` and `dtype` (a torch dtype's name)."""
+    dt = getattr(torch, dtype.removeprefix("torch."))
+    return raw[:math.prod(shape) * dt.itemsize].view(dt).view(shape)
 
 
 def _map(fd: int, nbytes: int) -> mmap.mmap:
@@ -527,7 +563,7 @@ def _serve(conn, drafter, cores, threads: int) -> None:
             try:
                 fn = getattr(worker, op)
                 t0 = now_ns()
-                value = fn(*args, conn) if op in ("map_buffers", "map_shared") else fn(*args)
+                value = fn(*args, conn) if op in ("map_buffers", "map_shared", "map_scratch") else fn(*args)
                 reply = ("ok", value, (t0, now_ns()))
             except Exception as e:  # noqa: BLE001 - the caller raises it
                 reply = ("error", e, traceback.format_exc())
