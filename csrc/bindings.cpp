@@ -645,7 +645,30 @@ PYBIND11_MODULE(_core, m) {
            "A drafter's backbone (host_block_layers) over blocks of rows, its cache the drafter's context cache: h "
            "[batch * t, hidden] float32 (overwritten), ctx_lens [batch] int64, visible [t, t] or [batch, t, t] uint8 "
            "(visible_stride 0 or t * t), cos / sin [batch * t, head_dim]; out [batch * (t - keep_from), hidden] "
-           "the final-normed rows keep_from.. of each block. Releases the GIL.");
+           "the final-normed rows keep_from.. of each block. Releases the GIL.")
+      .def("context_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
+                                 std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
+                                 std::uintptr_t fc, const std::string& fc_dtype, std::int64_t feature_width,
+                                 std::uintptr_t context_norm, std::uintptr_t features, std::int64_t batch,
+                                 std::int64_t t, std::uintptr_t lengths, std::uintptr_t counts, std::uintptr_t cos,
+                                 std::uintptr_t sin) {
+             const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
+             const HostPackedLinear fc_w{reinterpret_cast<const void*>(fc), parse_dtype(fc_dtype)};
+             py::gil_scoped_release nogil;
+             host_context_kv(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
+                             fc_w, feature_width, reinterpret_cast<const float*>(context_norm),
+                             reinterpret_cast<const float*>(features), batch, t,
+                             reinterpret_cast<const std::int64_t*>(lengths),
+                             reinterpret_cast<const std::int64_t*>(counts), reinterpret_cast<const float*>(cos),
+                             reinterpret_cast<const float*>(sin));
+           },
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("fc"), py::arg("fc_dtype"), py::arg("feature_width"), py::arg("context_norm"),
+           py::arg("features"), py::arg("batch"), py::arg("t"), py::arg("lengths"), py::arg("counts"), py::arg("cos"),
+           py::arg("sin"),
+           "A drafter's context update (host_context_kv) into its context cache: features [batch * t, feature_width] "
+           "float32, fc packed by host_linear_pack, lengths / counts [batch] int64, cos / sin [batch * t, head_dim] "
+           "at positions lengths[b] + j. Releases the GIL.");
   m.def("host_rms_norm", [](std::uintptr_t x_ptr, std::uintptr_t w_ptr, std::int64_t rows, std::int64_t n, double eps,
                             std::uintptr_t out_ptr) {
         py::gil_scoped_release nogil;

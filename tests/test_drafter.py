@@ -108,6 +108,65 @@ def test_the_cores_backbone_equals_the_torch_path(drafter, mask_rows_drafter, co
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
 
 
+def test_the_cores_context_update_equals_the_torch_path(drafter, monkeypatch):
+    """On the host extend_context's K/V are one core call (Drafter._host_context): from ragged counts (one row
+    keeping nothing, one keeping all) onto ragged lengths (one empty), twice over, the cache equals the torch
+    path's within float32 rounding, the slots past each row's length stay untouched, and the lengths agree."""
+    from dpara_rt.models import host_linear
+    g = torch.Generator().manual_seed(4)
+    feats = [torch.randn(3, 6, drafter.config.feature_size, generator=g) for _ in range(2)]
+    counts = [torch.tensor([6, 2, 0]), torch.tensor([1, 6, 3])]
+    calls = []
+    host = Drafter._host_context
+    monkeypatch.setattr(Drafter, "_host_context", lambda self, *a: calls.append(1) or host(self, *a))
+
+    def filled():
+        cache, _ = _filled_cache(drafter, [5, 0, 9], max_len=32)
+        cache.k[:, :, :, 20:] = cache.v[:, :, :, 20:] = float("nan")  # past every row's final length
+        for f, n in zip(feats, counts):
+            drafter.extend_context(cache, f, n)
+        return cache
+    native = filled()
+    assert len(calls) == 3 and native.lengths.tolist() == [12, 8, 12]
+    old = host_linear.native_target(False)
+    try:
+        reference = filled()
+    finally:
+        host_linear.native_target(old)
+    assert native.lengths.tolist() == reference.lengths.tolist()
+    for b, n in enumerate(native.lengths.tolist()):
+        torch.testing.assert_close(native.k[:, b, :, :n], reference.k[:, b, :, :n], rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(native.v[:, b, :, :n], reference.v[:, b, :, :n], rtol=1e-4, atol=2e-5)
+        assert native.k[:, b, :, 20:].isnan().all() and native.v[:, b, :, 20:].isnan().all()
+
+
+def test_the_cores_context_update_names_a_bad_argument(drafter):
+    """host_context_kv refuses a count out of range or a context that would overflow, naming the value, before it
+    writes anything."""
+    cache, _ = _filled_cache(drafter, [4, 2], max_len=8)
+    c = drafter.config
+    stack = drafter._host._stack_for(drafter.layers, cache, [-1] * c.num_layers)
+    feats = torch.randn(2 * 3, c.feature_size, generator=torch.Generator().manual_seed(2))
+    cos, sin = torch.ones(2 * 3, c.head_dim), torch.zeros(2 * 3, c.head_dim)  # no rotation
+    packed, dtype = drafter.fc.packed()
+    norm = drafter.context_norm.weight.detach()
+    before = cache.k.clone()
+
+    def run(lengths=(4, 2), counts=(3, 1)):
+        lens, n = torch.tensor(lengths), torch.tensor(counts)
+        stack.context_forward(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                              c.intermediate_size, c.rms_norm_eps, packed.data_ptr(), dtype, c.feature_size,
+                              norm.data_ptr(), feats.data_ptr(), 2, 3, lens.data_ptr(), n.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr())
+    with pytest.raises(ValueError, match=r"counts\[1\] = 4, expected 0..3"):
+        run(counts=(3, 4))
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 6 \+ counts\[0\] = 3 exceed layer 0's context of max_len 8"):
+        run(lengths=(6, 2))
+    assert torch.equal(cache.k, before)
+    run()
+    assert not torch.equal(cache.k, before)
+
+
 def test_the_cores_backbone_names_a_bad_argument(drafter):
     """host_block_layers refuses a bad keep_from, mask stride or context length with the value named."""
     from dpara_rt import _core

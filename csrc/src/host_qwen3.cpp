@@ -272,6 +272,27 @@ void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64
 
 namespace {
 
+// A context update's K/V: qkv rows [rows, (heads + 2 kv) d] (their k and v columns filled) of block rows src[r]
+// (b t + j): k normed and rotated in place, then both stored at slot lengths[b] + j. Compiled as qk_rope_store is
+// (the same clones), so a context row's K has the bits the layer would store for it.
+DPARA_RT_HOT void store_context_kv(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* qkv, std::int64_t rows,
+                                   const std::int64_t* src, std::int64_t t, const std::int64_t* lengths,
+                                   const float* cos, const float* sin, const HostKVLayer& cache) {
+  const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d;
+  std::vector<float> tmp(d);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t b = src[r] / t, slot = lengths[b] + src[r] % t;
+    float* k = qkv + r * width + dm.heads * d;
+    const float* v = k + dm.kv_heads * d;
+    for (std::int64_t g = 0; g < dm.kv_heads; ++g) {
+      norm_rope(k + g * d, w.k_norm, d, dm.eps, cos + src[r] * d, sin + src[r] * d, tmp.data());
+      const std::int64_t at = b * cache.row_stride + g * cache.head_stride + slot * d;
+      std::memcpy(cache.k + at, k + g * d, sizeof(float) * d);
+      std::memcpy(cache.v + at, v + g * d, sizeof(float) * d);
+    }
+  }
+}
+
 constexpr std::int64_t kPrefillTokens = 32;  // tokens per row from which a forward is a prefill, not a verify
 
 using Linear = void (*)(const float*, std::int64_t, std::int64_t, const void*, DType, std::int64_t, float*);
@@ -399,6 +420,57 @@ void host_block_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
     finish_layer(dm, weights[i], h, rows, attn.data(), host_linear);
   }
   norm_rows(h, final_norm, rows, hd, dm.eps, out);
+}
+
+void host_context_kv(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* contexts,
+                     std::int64_t n_layers, const HostPackedLinear& fc, std::int64_t feature_width,
+                     const float* context_norm, const float* features, std::int64_t batch, std::int64_t t,
+                     const std::int64_t* lengths, const std::int64_t* counts, const float* cos, const float* sin) {
+  constexpr const char* kWhat = "host_context_kv";
+  if (n_layers < 1 || !weights || !contexts)
+    detail::value_error(kWhat, ": n_layers = ", n_layers, " with weights and contexts; expected >= 1 layer");
+  if (batch < 0 || t < 0 || feature_width < 1)
+    detail::value_error(kWhat, ": batch ", batch, ", t ", t, ", feature_width ", feature_width,
+                        "; expected batch >= 0, t >= 0, feature_width >= 1");
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    check_layer(kWhat, dm, weights[i]);
+    check_cache(kWhat, dm, contexts[i]);
+    if (!contexts[i].k || !contexts[i].v) detail::value_error(kWhat, ": layer ", i, "'s context cache is null");
+  }
+  if (batch * t == 0) return;
+  if (!fc.data || !context_norm || !features || !lengths || !counts || !cos || !sin)
+    detail::value_error(kWhat, ": fc, context_norm, features, lengths, counts, cos and sin must be non-null");
+  std::int64_t rows = 0;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (counts[b] < 0 || counts[b] > t)
+      detail::value_error(kWhat, ": counts[", b, "] = ", counts[b], ", expected 0..", t);
+    for (std::int64_t i = 0; i < n_layers; ++i)
+      if (lengths[b] < 0 || lengths[b] + counts[b] > contexts[i].max_len)
+        detail::value_error(kWhat, ": lengths[", b, "] = ", lengths[b], " + counts[", b, "] = ", counts[b],
+                            " exceed layer ", i, "'s context of max_len ", contexts[i].max_len);
+    rows += counts[b];
+  }
+  if (!rows) return;
+
+  const std::int64_t hd = dm.hidden, d = dm.head_dim;
+  std::vector<std::int64_t> src(rows);  // the kept rows, in order: block row b * t + j for j < counts[b]
+  for (std::int64_t b = 0, r = 0; b < batch; ++b)
+    for (std::int64_t j = 0; j < counts[b]; ++j) src[r++] = b * t + j;
+  std::vector<float> x(rows * feature_width), c(rows * hd), cn(rows * hd);
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::memcpy(x.data() + r * feature_width, features + src[r] * feature_width, sizeof(float) * feature_width);
+  host_linear(x.data(), rows, feature_width, fc.data, fc.dtype, hd, c.data());
+  norm_rows(c.data(), context_norm, rows, hd, dm.eps, cn.data());
+  // K and V are the qkv weight's columns after the query's; the product starts on the panel edge at or below them.
+  const std::int64_t q_cols = dm.heads * d, width = q_cols + 2 * dm.kv_heads * d;
+  const std::int64_t begin = q_cols / kHostLinearPanel * kHostLinearPanel;
+  std::vector<float> qkv(rows * width);
+  for (std::int64_t i = 0; i < n_layers; ++i) {
+    const HostQwen3Weights& w = weights[i];
+    const HostKVLayer& cache = contexts[i];
+    host_linear_columns(cn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, begin, width, qkv.data(), width);
+    store_context_kv(dm, w, qkv.data(), rows, src.data(), t, lengths, cos, sin, cache);
+  }
 }
 
 }  // namespace dpara_rt

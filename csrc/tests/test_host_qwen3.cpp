@@ -1,7 +1,7 @@
 // The drafter's block layers against the target's cached layers: a block whose rows see themselves causally after
 // a context equals the same tokens decoded through host_qwen3_layer over that context (within float32 rounding:
 // the two sum attention in different orders); the last layer's skipped rows change nothing of the kept ones; a
-// per-block mask; refusals name the value.
+// per-block mask; refusals name the value. A context update stores the K/V the layer stores.
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -148,9 +148,66 @@ void test_a_causal_block_equals_decoding_after_the_context() {
                std::invalid_argument, "ctx_lens[0] = 17");
 }
 
+// A context update whose fc is the identity and whose norm is the layer's input norm stores, bit for bit, the K/V
+// that the layer itself stores for the same rows (the same norm, the same FMA chains over the k and v columns, the
+// same k norm and RoPE); rows past a block's count are not written; refusals name the value before any write.
+void test_the_context_update_stores_what_the_layer_stores() {
+  const HostQwen3Dims dm{32, 4, 2, 8, 48, 1e-6f};
+  const std::int64_t batch = 2, t = 3, max_len = 8, hd = dm.hidden;
+  const Layer l = make_layer(dm, 300u);
+  const std::int64_t head_stride = max_len * dm.head_dim, row_stride = dm.kv_heads * head_stride;
+  const std::int64_t lengths[2] = {2, 0}, counts[2] = {3, 1};
+  std::vector<std::int64_t> pos(batch * t);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t j = 0; j < t; ++j) pos[b * t + j] = lengths[b] + j;
+  F cos, sin;
+  rope(dm, pos, cos, sin);
+  const F x = noise(batch * t * hd, 21, 2.0f);
+
+  F k_layer(batch * row_stride, 0.0f), v_layer(batch * row_stride, 0.0f);
+  F h = x;
+  host_qwen3_layer(dm, l.w, h.data(), batch, t, pos.data(), cos.data(), sin.data(),
+                   {k_layer.data(), v_layer.data(), row_stride, head_stride, max_len});
+
+  F eye(hd * hd, 0.0f);
+  for (std::int64_t i = 0; i < hd; ++i) eye[i * hd + i] = 1.0f;
+  std::vector<float> fc(host_linear_packed_elems(hd, hd));
+  host_linear_pack(eye.data(), hd, hd, fc.data(), DType::float32);
+  F k_ctx(batch * row_stride, -7.0f), v_ctx(batch * row_stride, -7.0f);
+  const HostKVLayer ctx{k_ctx.data(), v_ctx.data(), row_stride, head_stride, max_len};
+  host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), DType::float32}, hd, l.w.input_norm, x.data(), batch, t, lengths,
+                  counts, cos.data(), sin.data());
+  std::int64_t written = 0, untouched = 0;
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t g = 0; g < dm.kv_heads; ++g)
+      for (std::int64_t s = 0; s < max_len; ++s) {
+        const std::int64_t at = b * row_stride + g * head_stride + s * dm.head_dim;
+        if (s >= lengths[b] && s < lengths[b] + counts[b]) {
+          CHECK(max_abs_diff(k_ctx.data() + at, k_layer.data() + at, dm.head_dim) == 0.0f);
+          CHECK(max_abs_diff(v_ctx.data() + at, v_layer.data() + at, dm.head_dim) == 0.0f);
+          ++written;
+        } else {
+          for (std::int64_t i = 0; i < dm.head_dim; ++i) untouched += k_ctx[at + i] == -7.0f && v_ctx[at + i] == -7.0f;
+        }
+      }
+  CHECK(written == dm.kv_heads * (counts[0] + counts[1]));
+  CHECK(untouched == (batch * max_len - counts[0] - counts[1]) * dm.kv_heads * dm.head_dim);
+
+  const F before = k_ctx;
+  const std::int64_t too_many[2] = {3, 4}, too_long[2] = {6, 0};
+  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), DType::float32}, hd, l.w.input_norm, x.data(), batch, t,
+                               lengths, too_many, cos.data(), sin.data()),
+               std::invalid_argument, "counts[1] = 4");
+  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), DType::float32}, hd, l.w.input_norm, x.data(), batch, t,
+                               too_long, counts, cos.data(), sin.data()),
+               std::invalid_argument, "lengths[0] = 6 + counts[0] = 3");
+  CHECK(max_abs_diff(before.data(), k_ctx.data(), batch * row_stride) == 0.0f);
+}
+
 }  // namespace
 
 int main() {
   test_a_causal_block_equals_decoding_after_the_context();
+  test_the_context_update_stores_what_the_layer_stores();
   return check::finish("test_host_qwen3");
 }

@@ -75,6 +75,17 @@ void host_block_layers(const HostQwen3Dims& dims, const HostQwen3Weights* weight
                        const float* cos, const float* sin, std::int64_t keep_from, const float* final_norm,
                        float* out);
 
+// A drafter's context update (KV injection): for the first counts[b] of the t rows of each block of features
+// [batch * t, feature_width], c = RMSNorm(fc(features)) (fc packed [hidden, feature_width], norm weight
+// context_norm), then for every layer i its K (k-normed, rotated by cos / sin [batch * t, head_dim]) and V of c,
+// the k and v rows of weights[i].qkv, stored at slots lengths[b] + j of contexts[i] (the rows' RoPE positions).
+// Rows past counts[b] are read by nobody. Each value is the FMA chain and norm the layers compute, per row, so a
+// row's K/V do not depend on the rows beside it. Everything is checked before the first write. One thread.
+void host_context_kv(const HostQwen3Dims& dims, const HostQwen3Weights* weights, const HostKVLayer* contexts,
+                     std::int64_t n_layers, const HostPackedLinear& fc, std::int64_t feature_width,
+                     const float* context_norm, const float* features, std::int64_t batch, std::int64_t t,
+                     const std::int64_t* lengths, const std::int64_t* counts, const float* cos, const float* sin);
+
 // out [rows, n] = the RMSNorm of x [rows, n] with weight w [n] (float32, row-major), computed as the layers
 // compute their own norms: a native forward's final norm.
 void host_rms_norm(const float* x, const float* w, std::int64_t rows, std::int64_t n, float eps, float* out);

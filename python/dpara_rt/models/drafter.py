@@ -390,6 +390,26 @@ class Drafter(nn.Module):
                                     cache.lengths.contiguous(), visible.to(torch.uint8).contiguous(), cos, sin,
                                     cache, keep_from)
 
+    def _host_context(self, cache: ContextCache, features: Tensor, n: Tensor, positions: Tensor) -> bool:
+        """extend_context's K/V in one core call (HostQwen3.run_context: the same maths, per row in a fixed order)
+        for a float32 drafter on the host at inference, where its torch path is a few dozen small operators a
+        round; False (nothing written) where the torch path runs."""
+        fc = self.fc
+        if (self.dtype != torch.float32 or self.device.type != "cpu" or not isinstance(fc, HostLinear)
+                or features.device.type != "cpu" or fc.bias is not None
+                or not host_qwen3.usable(self, torch.empty(0), cache)
+                or self.context_norm.weight.dtype != torch.float32):
+            return False
+        if features.shape[-1] != self.config.feature_size:
+            raise ValueError(f"features have width {features.shape[-1]}; expected len(layer_ids) * "
+                             f"target_hidden_size = {self.config.feature_size}")
+        b, t = positions.shape
+        cos, sin = (x.reshape(b * t, -1).contiguous() for x in self._rope(positions))
+        self._host.run_context(self.layers, self.config, fc.packed(), self.context_norm.weight.detach().contiguous(),
+                               features.to(torch.float32).contiguous(), cache.lengths.contiguous(),
+                               n.contiguous(), cos, sin, cache)
+        return True
+
     def forward(self, features: Tensor, tokens: Tensor, positions: Tensor, ctx_visible: Tensor,
                 block_visible: Tensor, logit_rows: Tensor | slice = slice(None)) -> Tensor:
         """Training forward: context = all of ``features`` [B,N,F] (row p at position p), rows ``tokens``
@@ -426,6 +446,9 @@ class Drafter(nn.Module):
         if (new_len > cache.max_len).any():
             raise ValueError(f"context cache overflow: lengths {new_len.tolist()} exceed max_len={cache.max_len}")
         pos = (cache.lengths[:, None] + torch.arange(t)).clamp(max=cache.max_len - 1)  # rows >= n are dropped
+        if self._host_context(cache, features, n, pos):
+            cache.lengths.copy_(new_len)
+            return
         kv = self.context_kv(features.to(cache.k.device), pos)
         rows, cols = (torch.arange(t)[None, :] < n[:, None]).nonzero(as_tuple=True)
         dst = (cache.lengths[rows] + cols).to(cache.k.device)

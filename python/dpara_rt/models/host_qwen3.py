@@ -125,6 +125,18 @@ class HostQwen3:
                             final_norm.data_ptr(), out.data_ptr())
         return out
 
+    def run_context(self, layers, cfg, fc: tuple[Tensor, str], context_norm: Tensor, features: Tensor,
+                    lengths: Tensor, counts: Tensor, cos: Tensor, sin: Tensor, cache) -> None:
+        """A drafter's context update in one core call (``host_context_kv``): the first counts[b] rows of
+        features [B, T, F] (float32, contiguous) fused (fc: packed, dtype name; then the RMSNorm weight
+        context_norm) and every layer's K/V of them written at slots lengths[b] + j of the context cache (lengths,
+        counts int64 [B]); cos / sin [B * T, head_dim] at those positions."""
+        stack = self._stack_for(layers, cache, [-1] * len(layers))
+        B, T, F = features.shape
+        packed, dtype = fc
+        stack.context_forward(*_dims(cfg), packed.data_ptr(), dtype, F, context_norm.data_ptr(), features.data_ptr(),
+                              B, T, lengths.data_ptr(), counts.data_ptr(), cos.data_ptr(), sin.data_ptr())
+
     def _stack_for(self, layers, cache, cols: list[int]):
         """The core object over these layers and this cache, rebuilt when a layer is repacked or the cache or the
         capture changes."""
