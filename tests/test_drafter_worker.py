@@ -117,6 +117,37 @@ def test_a_prompt_larger_than_the_scratch_grows_it_and_the_replies_in_flight_are
     assert torch.equal(local.block_logits(bonus, D, False), remote.block_logits(bonus, D, False))
 
 
+def test_a_decode_of_the_same_shape_takes_the_last_ones_buffers_already_mapped(pair, monkeypatch):
+    """The engine keeps the last decode's staging and ring, and the worker its mappings of them and of the shared
+    buffers: a second decode of the same shape maps nothing new (its ring reset: the first left a slot filled by a
+    backbone nobody read), one of another batch size makes and maps its own, and every output equals a fresh
+    engine's."""
+    target, drafter = pair
+    sent = []
+    post = DrafterWorker.post
+    monkeypatch.setattr(DrafterWorker, "post", lambda self, op, *a, **k: sent.append(op) or post(self, op, *a, **k))
+    maps = lambda: [op for op in sent if op.startswith("map_")]  # noqa: E731
+    prompts = [[[3, 9, 4, 1]], [[7, 7, 2, 5, 6, 8]], [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]]
+    eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker="process")
+    try:
+        first = eng.generate(prompts[0], 20)
+        assert "map_buffers" in maps() and "map_shared" in maps()
+        sent.clear()
+        second = eng.generate(prompts[1], 20)
+        assert maps() == [] and "new_cache" in sent
+        sent.clear()
+        batch = eng.generate(prompts[2], 20)
+        assert "map_buffers" in maps() and "map_shared" in maps()
+    finally:
+        eng.close()
+    for got, batch_prompts in zip((first, second, batch), prompts):
+        fresh = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker="process")
+        try:
+            assert got.tokens == fresh.generate(batch_prompts, 20).tokens
+        finally:
+            fresh.close()
+
+
 def test_worker_error_is_raised_here_with_its_traceback_and_the_worker_goes_on(worker):
     with pytest.raises(AttributeError) as info:
         worker.call("no_such_call")

@@ -129,9 +129,8 @@ class WorkerContext:
     def __init__(self, worker: "DrafterWorker", batch: int, max_len: int):
         self.worker = worker
         worker.discard()  # replies a cancelled decode left behind
-        worker.call("new_cache", batch, max_len)
+        worker.post("new_cache", batch, max_len)  # an error in it is raised by the next reply collected
         self._staged_features: dict[int, int] = {}  # the features staging's address per phase -> phase
-        self._maps: dict[str, mmap.mmap] = {}  # shared_buffer's mappings on this side
         self._early: list = []  # replies wait_q collected on its way to the q (an absorb sent ahead), to settle
 
     def map_buffers(self, staging, ring) -> None:
@@ -141,9 +140,12 @@ class WorkerContext:
                 raise ValueError(f"{type(what).__name__} is not in shared memory (shared_fd = -1); a drafter worker "
                                  "needs staging and ring built with shared=True")
         self._staged_features = {staging.data_ptr("features", p): p for p in (0, 1)}
+        if self.worker.mapped == (staging, ring):  # the last decode's, which the worker still maps
+            return
         self.worker.call("map_buffers", staging.nbytes, {p: staging.offset("features", p) for p in (0, 1)},
                          ring.nbytes, (ring.capacity, ring.batch, ring.d + 1, ring.d, ring.vocab), ring.dtype,
                          fds=(staging.shared_fd, ring.shared_fd))
+        self.worker.mapped = (staging, ring)
 
     def _staged_phase(self, features: torch.Tensor) -> int | None:
         """The features staging phase `features` is (a round's features, staged by the target lane), or None."""
@@ -213,15 +215,19 @@ class WorkerContext:
         """A float32 buffer in shared memory (a memfd mapped here and in the worker): the head's noise drawn
         ahead ("noise"), the q the worker computes for a draft ("q"), the hidden ring's projected branch
         ("branch")."""
+        kept = self.worker.shared.get(name)
+        if kept is not None and tuple(kept[1].shape) == tuple(shape):  # an earlier decode's, still mapped there
+            return kept[1]
         nbytes = 4 * math.prod(shape)
         fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            self._maps[name] = mmap.mmap(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
             self.worker.call("map_shared", name, tuple(shape), fds=(fd,))
         finally:
             os.close(fd)
-        return torch.frombuffer(self._maps[name], dtype=torch.float32).view(shape)
+        self.worker.shared[name] = (mapping, torch.frombuffer(mapping, dtype=torch.float32).view(shape))
+        return self.worker.shared[name][1]
 
     def markov_q(self, source: tuple[str, int], r: torch.Tensor, bonus: torch.Tensor, draft: torch.Tensor,
                  temperature: float, markov: bool, half: int) -> None:
@@ -329,6 +335,8 @@ class DrafterWorker:
         self._broken: str | None = None
         self.splits: dict[tuple[int, int], BranchSplit] = {}  # WorkerContext.branch_split's, per (vocab, batch)
         self.scratch: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # WorkerContext._scratch's byte buffers
+        self.shared: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # WorkerContext.shared_buffer's, kept mapped
+        self.mapped: tuple | None = None  # the (staging, ring) the worker maps, kept alive here
         self.vocab = drafter.config.vocab_size
         self.call("ping")
 

@@ -125,8 +125,9 @@ class Decoder:
 
     def __init__(self, target: Target, drafter, lanes: tuple[Lane, Lane], opts: DecodeOptions,
                  prompts: list[list[int]], needs_drafter: bool, ring_capacity: int = 2,
-                 markov: bool = True, admission=None, worker=None):
+                 markov: bool = True, admission=None, worker=None, kept: dict | None = None):
         self.target, self.opts, self.prompts = target, opts, prompts
+        self._kept = kept  # the engine's: the last decode's staging and ring, reused when this one's are alike
         # Continuous batching (dpara_rt.batching.Slots): rows are slots that requests take and leave between
         # rounds; None for a fixed batch.
         self.admission, self.paused = admission, None
@@ -182,18 +183,29 @@ class Decoder:
 
     def _batch_buffers(self, B: int) -> None:
         """The staging buffers and the boundary ring for B rows, with torch views of them made once (a DLPack
-        round trip per use costs more than the head)."""
+        round trip per use costs more than the head). The engine keeps the last decode's, and the next decode
+        with the same shapes takes them (its ring reset; a worker keeps them mapped): made and mapped anew they
+        cost a decode about a millisecond."""
         target, drafter = self.target, self.drafter
         feature_bytes = B * (self.d + 1) * target.feature_dim * target.dtype.itemsize
         shared = isinstance(self.context, WorkerContext)  # a worker process maps both
-        self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index, shared=shared)
         row = drafter.config.vocab_size if self.ring_logits else drafter.config.hidden_size
-        self.ring = _core.BoundaryRing(self._ring_capacity, B, self.d, row, str(drafter.dtype).removeprefix("torch."),
-                                       self.drafter_lane.device_index, shared=shared)
+        dtype = str(drafter.dtype).removeprefix("torch.")
+        key = (B, self.d, feature_bytes, row, dtype, self._ring_capacity, self.target_lane.device_index,
+               self.drafter_lane.device_index, shared)
+        if self._kept is not None and self._kept.get("key") == key:
+            self.staging, self.ring, self._staged, self._slots = self._kept["buffers"]
+            self.ring.reset()
+        else:
+            self.staging = _core.Staging(B, self.d, feature_bytes, self.target_lane.device_index, shared=shared)
+            self.ring = _core.BoundaryRing(self._ring_capacity, B, self.d, row, dtype, self.drafter_lane.device_index,
+                                           shared=shared)
+            self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
+                            for region in ("rb", "draft", "features") for phase in (0, 1)}
+            self._slots = [slot_tensor(self.ring, i) for i in range(self._ring_capacity)]
+            if self._kept is not None:  # one set: a decode of another shape replaces it
+                self._kept.update(key=key, buffers=(self.staging, self.ring, self._staged, self._slots))
         self.context.map_buffers(self.staging, self.ring)
-        self._staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
-                        for region in ("rb", "draft", "features") for phase in (0, 1)}
-        self._slots = [slot_tensor(self.ring, i) for i in range(self._ring_capacity)]
         if self.worker_q is not None and self._packed_head is not None:
             # mapped now, with no reply pending: mapping is a call, and a call collects every reply before its own
             self.worker_q.branch(B, self.d, drafter.config.vocab_size, 0)
