@@ -48,14 +48,19 @@ def _buffers(drafter, batch: int, project: bool):
     return staging, ring
 
 
+def _contexts(drafter, worker, batch: int, max_len: int, project: bool, seed: int):
+    """A LocalContext and a WorkerContext over the same drafter, the worker's buffers mapped; and a generator."""
+    local, remote = LocalContext(drafter, batch, max_len), WorkerContext(worker, batch, max_len)
+    staging, ring = _buffers(drafter, batch, project)
+    remote.map_buffers(staging, ring)
+    return local, remote, staging, ring, torch.Generator().manual_seed(seed)
+
+
 @pytest.mark.parametrize("project", [True, False], ids=["logits", "hidden"])
 def test_worker_context_computes_what_the_local_one_does(pair, worker, project, one_thread):
     _, drafter = pair
     B, F = 2, drafter.config.feature_size
-    g = torch.Generator().manual_seed(0)
-    local, remote = LocalContext(drafter, B, 128), WorkerContext(worker, B, 128)
-    staging, ring = _buffers(drafter, B, project)
-    remote.map_buffers(staging, ring)
+    local, remote, staging, ring, g = _contexts(drafter, worker, B, 128, project, seed=0)
 
     prompt = torch.randn(B, 9, F, generator=g)
     for ctx in (local, remote):
@@ -93,10 +98,7 @@ def test_a_prompt_larger_than_the_scratch_grows_it_and_the_replies_in_flight_are
     still gets its spans), and the worker computes from the new mapping what the local context does."""
     _, drafter = pair
     B, F = 2, drafter.config.feature_size
-    g = torch.Generator().manual_seed(1)
-    local, remote = LocalContext(drafter, B, 2048), WorkerContext(worker, B, 2048)
-    staging, ring = _buffers(drafter, B, False)
-    remote.map_buffers(staging, ring)
+    local, remote, staging, ring, g = _contexts(drafter, worker, B, 2048, False, seed=1)
     small = torch.randn(B, 5, F, generator=g)
     for ctx in (local, remote):
         ctx.absorb(small, torch.tensor([5, 4]))
