@@ -230,9 +230,10 @@ class Engine:
     def _decode(self, ticket: "_Ticket", method: str, opts: DecodeOptions, prompts: list[list[int]], trace: bool,
                 admission=None):
         spec = METHODS[method]
+        worker = self._worker_for(spec)  # started once per engine: not this decode's wall
         t0 = time.perf_counter()  # the decoder's setup (buffers, the worker's cache) is part of the decode's wall
         dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter,
-                                       markov=spec.markov, admission=admission, worker=self._worker_for(spec),
+                                       markov=spec.markov, admission=admission, worker=worker,
                                        kept=self._kept_buffers)
         new_tokens = 0
         for new in dec.run(spec.run):
