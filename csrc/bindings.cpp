@@ -825,6 +825,12 @@ PYBIND11_MODULE(_core, m) {
                                    py::arg("start_ns") = e.start_ns, py::arg("end_ns") = e.end_ns));
              return out;
            })
+      .def("overlap", [](const Metrics& mt, const std::string& verify, const std::vector<std::string>& drafting) {
+             const TimelineOverlap o = mt.overlap(verify, drafting);
+             return py::dict(py::arg("gaps") = o.gaps, py::arg("mean_gap_ns") = o.mean_gap_ns,
+                             py::arg("drafting_ns") = o.drafting_ns, py::arg("hidden_ns") = o.hidden_ns);
+           }, py::arg("verify"), py::arg("drafting"),
+           "The mean gap between consecutive `verify` spans and the drafting phases' total and hidden ns.")
       .def("phase_totals_ns", [](const Metrics& mt) {
              py::dict out;
              for (const auto& [phase, ns] : mt.phase_totals()) out[py::str(phase)] = ns;

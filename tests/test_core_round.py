@@ -232,6 +232,32 @@ def test_round_state_matches_python_reference(case):
         assert cpp.slots(b).tolist() == ref.slots[b]
 
 
+def test_metrics_overlap_is_what_the_timeline_spans_give():
+    """Metrics.overlap (the core's summary of a timeline) against the spans computed here: the mean gap between
+    consecutive verifies, the drafting phases' total and the part of it beside a verify, on a random timeline
+    of disjoint verifies and drafting spans that straddle them."""
+    rng = np.random.default_rng(3)
+    m, verifies, drafts = Metrics(3), [], []
+    t = 0
+    for _ in range(40):
+        start = t + int(rng.integers(1, 50))
+        t = start + int(rng.integers(20, 200))
+        verifies.append((start, t))
+    for k in range(60):
+        s = int(rng.integers(0, t))
+        drafts.append((s, s + int(rng.integers(1, 300)), ("backbone", "serial_draft", "guess_draft")[k % 3]))
+    for k, (s, e) in enumerate(reversed(verifies)):
+        m.add_event(k, "verify", "target", s, e)
+    for k, (s, e, phase) in enumerate(drafts):
+        m.add_event(k, phase, "drafter", s, e)
+        m.add_event(k, "markov_head", "target", s, e)  # not drafting: left out
+    o = m.overlap("verify", ["backbone", "serial_draft", "guess_draft"])
+    gaps = [b[0] - a[1] for a, b in zip(verifies, verifies[1:])]
+    hidden = sum(max(0, min(e, ve) - max(s, vs)) for s, e, _ in drafts for vs, ve in verifies)
+    assert o["gaps"] == len(gaps) and o["mean_gap_ns"] == pytest.approx(sum(gaps) / len(gaps))
+    assert o["drafting_ns"] == sum(e - s for s, e, _ in drafts) and o["hidden_ns"] == hidden
+
+
 def test_metrics_histogram_trace_and_span():
     m = Metrics(3)
     m.record_round(np.array([0, 3, 3]))

@@ -106,6 +106,34 @@ std::vector<TimelineEvent> Metrics::events() const {
   return events_;
 }
 
+TimelineOverlap Metrics::overlap(const std::string& verify, const std::vector<std::string>& drafting) const {
+  using Span = std::pair<std::int64_t, std::int64_t>;
+  std::vector<Span> verifies, drafts;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& e : events_) {
+      if (e.phase == verify) verifies.emplace_back(e.start_ns, e.end_ns);
+      else if (std::find(drafting.begin(), drafting.end(), e.phase) != drafting.end())
+        drafts.emplace_back(e.start_ns, e.end_ns);
+    }
+  }
+  std::sort(verifies.begin(), verifies.end());
+  std::sort(drafts.begin(), drafts.end());
+  TimelineOverlap out;
+  double gap_sum = 0;
+  for (std::size_t i = 1; i < verifies.size(); ++i) gap_sum += double(verifies[i].first - verifies[i - 1].second);
+  out.gaps = verifies.empty() ? 0 : std::int64_t(verifies.size()) - 1;
+  out.mean_gap_ns = out.gaps ? gap_sum / double(out.gaps) : 0.0;
+  std::size_t first = 0;  // the first verify that ends after the current drafting span starts
+  for (const auto& [s, e] : drafts) {
+    out.drafting_ns += e - s;
+    while (first < verifies.size() && verifies[first].second <= s) ++first;
+    for (std::size_t j = first; j < verifies.size() && verifies[j].first < e; ++j)
+      out.hidden_ns += std::max<std::int64_t>(0, std::min(e, verifies[j].second) - std::max(s, verifies[j].first));
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, std::int64_t>> Metrics::phase_totals() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<std::pair<std::string, std::int64_t>> totals;

@@ -173,6 +173,23 @@ static void test_metrics() {
   CHECK(m.rounds() == 0 && m.events().empty());
 }
 
+static void test_metrics_overlap() {
+  // verify spans out of order; drafting that straddles two verifies, touches one at its end, or lies between; a
+  // phase that is neither is left out.
+  Metrics m(3);
+  m.add_event(2, "verify", "target", 40, 50);
+  m.add_event(0, "verify", "target", 0, 10);
+  m.add_event(1, "verify", "target", 15, 25);
+  m.add_event(0, "backbone", "drafter", 5, 20);        // 5 beside the first verify, 5 beside the second
+  m.add_event(1, "serial_draft", "drafter", 26, 40);   // between them: exposed
+  m.add_event(1, "markov_head", "target", 10, 15);     // not drafting
+  const TimelineOverlap o = m.overlap("verify", {"backbone", "serial_draft"});
+  CHECK(o.gaps == 2 && o.mean_gap_ns == 10.0);  // (15 - 10 + 40 - 25) / 2
+  CHECK(o.drafting_ns == 29 && o.hidden_ns == 10);
+  const TimelineOverlap none = Metrics(3).overlap("verify", {"backbone"});
+  CHECK(none.gaps == 0 && none.mean_gap_ns == 0.0 && none.drafting_ns == 0 && none.hidden_ns == 0);
+}
+
 static void test_draft_limit() {
   // Every object sized by d takes its limit from kMaxDraft: d = kMaxDraft is accepted, one more is refused
   // with the value named.
@@ -201,6 +218,7 @@ int main() {
   test_round_state_bad_arguments();
   test_tree_meta();
   test_metrics();
+  test_metrics_overlap();
   test_draft_limit();
   return check::finish("test_round_metrics");
 }

@@ -17,6 +17,14 @@ struct TimelineEvent {
   std::int64_t start_ns, end_ns;  // now_ns() clock
 };
 
+// How a timeline's drafting sat against its verifications (Metrics::overlap).
+struct TimelineOverlap {
+  std::int64_t gaps = 0;        // consecutive verify spans (verifies - 1, or 0)
+  double mean_gap_ns = 0;       // mean time from one verify's end to the next one's start
+  std::int64_t drafting_ns = 0;  // total time of the drafting phases' spans
+  std::int64_t hidden_ns = 0;    // the part of it that overlaps a verify span
+};
+
 class Metrics {
  public:
   explicit Metrics(int d);  // histogram bins 0..d; std::invalid_argument unless 1 <= d <= kMaxDraft
@@ -37,6 +45,9 @@ class Metrics {
   // Mean committed tokens per request-round, bonus included (tau = mean(r) + 1); 0 before any round.
   double tau() const;
   std::vector<TimelineEvent> events() const;
+  // The spans of phase `verify` in start order (disjoint: one target lane) and of the `drafting` phases: the
+  // exposed time between verifications and how much drafting ran beside one, without copying the timeline out.
+  TimelineOverlap overlap(const std::string& verify, const std::vector<std::string>& drafting) const;
   // Total nanoseconds per phase name, in order of first appearance.
   std::vector<std::pair<std::string, std::int64_t>> phase_totals() const;
   // {"traceEvents": [...], "displayTimeUnit": "ms"}: one complete ("X") event per timeline event, one
