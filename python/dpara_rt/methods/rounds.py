@@ -207,7 +207,7 @@ class Decoder:
                 self._kept.update(key=key, buffers=(self.staging, self.ring, self._staged, self._slots))
         self.context.map_buffers(self.staging, self.ring)
         if self.worker_q is not None and self._packed_head is not None:
-            # mapped now, with no reply pending: mapping is a call, and a call collects every reply before its own
+            # mapped now, before the decode posts what it waits for: a mapping is a call, which collects every reply
             self.worker_q.branch(B, self.d, drafter.config.vocab_size, 0)
 
     def grow(self, batch: int) -> None:
