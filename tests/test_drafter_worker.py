@@ -343,6 +343,42 @@ def test_the_worker_projects_a_share_of_branch_r_and_the_drafts_are_the_same(pai
     monkeypatch.setattr(Decoder, "project_ahead", ahead)
 
 
+def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_draft(pair, monkeypatch):
+    """Greedy at batch 1 with the hidden ring and a worker, the worker projects the branch of the last round's r
+    after each backbone (BranchGuess); where verification accepts that r the head projects nothing (no share goes
+    to the worker either) and drafts from the guess. The tokens, tau and acceptance histogram are those of
+    decoding without guesses; sampled and batched decodes make none."""
+    from dpara_rt.branch_guess import BranchGuess
+    from dpara_rt.methods.rounds import Decoder
+    target, drafter = pair
+    decoders, sent = [], []
+    init, post = Decoder.__init__, DrafterWorker.post
+    monkeypatch.setattr(Decoder, "__init__", lambda self, *a, **k: decoders.append(self) or init(self, *a, **k))
+    monkeypatch.setattr(DrafterWorker, "post", lambda self, op, *a, **k: sent.append(op) or post(self, op, *a, **k))
+
+    def decode(prompts, **kw):
+        eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker="process")
+        try:
+            return eng.generate(prompts, 40, **kw)
+        finally:
+            eng.close()
+    prompt = [[3, 9, 4, 1, 3, 9, 4, 1]]
+    guessed = decode(prompt)
+    guess = decoders[-1].guess
+    assert guess.guesses >= guessed.stats.rounds - 2 and guess.hits > 0, (guess.guesses, guess.hits)
+    assert sent.count("guess_branch") == guess.guesses
+    assert sent.count("project_branch") == guess.guesses - guess.hits  # a hit sends no share
+    monkeypatch.setattr(BranchGuess, "post", lambda self, slot: None)
+    plain = decode(prompt)
+    assert decoders[-1].guess.hits == 0
+    assert guessed.tokens == plain.tokens and guessed.stats.tau == plain.stats.tau
+    assert guessed.stats.acceptance_histogram == plain.stats.acceptance_histogram
+    decode(prompt, temperature=1.0, seed=3)
+    assert decoders[-1].guess is None
+    decode(prompt * 2)
+    assert decoders[-1].guess is None
+
+
 def test_the_branch_split_moves_to_where_the_head_and_the_workers_reply_finish_together():
     """BranchSplit from the spans it is shown: a head twice as fast per column as the worker, both starting
     together and the reply delivered at once, settles on 2/3 of the columns; a worker starting earlier leaves

@@ -242,6 +242,15 @@ class WorkerContext:
         them; ``wait_branch`` waits for it."""
         self.worker.post("project_branch", slot, r.tolist(), half, col_begin)
 
+    def guess_branch(self, slot: int, r: list[int]) -> None:
+        """Have the worker project branch r[b]'s rows of ring slot `slot` (all columns) into the shared "guess"
+        buffer after what it has queued (dpara_rt.branch_guess); ``wait_guess`` waits for it."""
+        self.worker.post("guess_branch", slot, r)
+
+    def wait_guess(self) -> None:
+        if "guess_branch" in self.worker.pending:  # else already collected on the way to another reply: done
+            self._wait_for("guess_branch", "its guessed branch's projection")
+
     def _collect_through(self, ops: tuple[str, ...]) -> list:
         """The worker's replies in order, up to and including the first of `ops` (all pending ones if none is)."""
         done = []
@@ -513,13 +522,20 @@ class _Worker:
                out=self._shared["q"][half])
 
     def project_branch(self, slot: int, r: list[int], half: int, col_begin: int) -> None:
-        rows = branch_rows(self._slots[slot], r)  # the hidden ring's slot [B, d+1, d, H] -> [B, d, H]
-        out = self._shared["branch"][half]  # [B, d, V]
+        self._project(slot, r, self._shared["branch"][half], col_begin)
+
+    def guess_branch(self, slot: int, r: list[int]) -> None:
+        self._project(slot, r, self._shared["guess"], 0)
+
+    def _project(self, slot: int, r: list[int], out: torch.Tensor, col_begin: int) -> None:
+        """Branch r[b]'s rows of ring slot `slot` (the hidden ring's [B, d+1, d, H]) through the output head, columns
+        col_begin.. of out [B, d, V]."""
+        rows = branch_rows(self._slots[slot], r)
         if self._head is None:
             self._head = self.drafter.packed_head()
             if self._head is None:
-                raise RuntimeError("project_branch: the worker's drafter has no packed host output head (a float32 "
-                                   "host drafter with the native core expected)")
+                raise RuntimeError("the worker's drafter has no packed host output head to project branch r with (a "
+                                   "float32 host drafter with the native core expected)")
         packed, dtype = self._head
         _core.host_linear(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], packed.data_ptr(), dtype,
                           out.shape[-1], out.data_ptr(), col_begin)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from dpara_rt import _core, ops
 from dpara_rt.chain import Chain
+from dpara_rt.branch_guess import BranchGuess
 from dpara_rt.core import branch_rows, slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
@@ -166,7 +167,7 @@ class Decoder:
         self.ring_logits = opts.dpara_ring == "logits"
         self._ring_capacity = ring_capacity
         self._markov_head = None  # the drafter's head (Drafter.markov_head: built once, not per decode)
-        self.worker_q = None
+        self.worker_q = self.guess = None
         if needs_drafter:
             # The drafter's context cache, here or in a drafter worker process (dpara_rt.drafter_context)
             self.context = (WorkerContext(worker, B, target.max_len) if worker is not None
@@ -177,6 +178,8 @@ class Decoder:
                 self._packed_head = drafter.packed_head()
             self.noise = NoiseAhead(self.context)  # sampled heads' noise, drawn beside verification
             self.worker_q = WorkerQ(self.context) if self.context.remote else None  # and their q, by the worker
+            if self.worker_q is not None and self._packed_head is not None and not opts.sampling and B == 1:
+                self.guess = BranchGuess(self.context, self.d, drafter.config.vocab_size)  # branch r ahead
             self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
         self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
@@ -313,6 +316,8 @@ class Decoder:
         if (out.finished or self.worker_q is None or self._packed_head is None or self._head_per_row
                 or vocab <= _core.HOST_LINEAR_PANEL):  # one panel: nothing to share
             return
+        if self.guess is not None and self.guess.accepted(slot, out.r.tolist()):  # projected already
+            return
         split = self.context.branch_split(vocab, self.state.batch())
         self.context.project_branch(slot, out.r, (self._markov_calls + 1) % 2, split.columns)
         self._shared = (slot, split, split.columns)
@@ -401,6 +406,8 @@ class Decoder:
         if prev is not None:
             self.head_lane.wait(prev.ready)
         self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
+        if self.guess is not None and self.state.batch() == 1:
+            self.guess.post(slot)
         staged = prev is not None and prev.round > 0
         phase, self._absorbed_ahead = (prev.phase if staged else self._absorbed_ahead), None
         self._in_worker = (self.chain.round, slot, phase)
@@ -444,6 +451,9 @@ class Decoder:
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, ("ring", slot))
             B, vocab = len(r_host), self.drafter.config.vocab_size
+            guessed = self.guess.take(slot) if self.guess is not None else None
+            if guessed is not None:
+                return self.markov(guessed[:, None], self._first_row(B), bonus)
             if self._shared is not None and self._shared[0] == slot:  # the worker projects the last columns meanwhile
                 _, split, columns = self._shared
                 self._shared = None

@@ -1,0 +1,53 @@
+"""The drafter worker's guess at branch r, projected in its idle time beside verification (greedy, batch 1).
+
+With the hidden ring the worker's backbone ends well before the target's verify does (at batch 1 on the
+embedded pair it then idles for about half a millisecond), while branch r's projection waits for r and runs on
+the critical path, split over both cores. So right after its backbone the worker projects one branch in full,
+the one the last round accepted (an acceptance length repeats itself about a third of the time), into a shared
+buffer. When verification accepts that very r, the Markov head reads those logits and projects nothing: they
+are the ones it would have computed (the same packed head and kernel, every column the same FMA chain).
+Otherwise the round runs as without it. No draft depends on the guess, so a wrong one costs the worker's idle
+time and nothing falls back.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BranchGuess:
+    """One decode's guesses: posted by the head lane with the backbone, checked by verification, taken by the
+    next head."""
+
+    def __init__(self, context, d: int, vocab: int):
+        self.context = context
+        # [1, d, V] float32, shared with the worker. Mapped now, while the decode waits for no reply: mapping is a
+        # call, and a call collects every reply before its own (a backbone's, which the head would then miss).
+        self._buffer = context.shared_buffer("guess", (1, d, vocab))
+        self._last: list[int] | None = None  # the r the last round accepted
+        self._posted: tuple[int, list[int]] | None = None  # (slot, guessed r) the worker projects
+        self._hit: int | None = None  # the slot whose guess verification found right
+        self.hits = self.guesses = 0
+
+    def post(self, slot: int) -> None:
+        """Head lane, right after the slot's backbone went out: project branch `last r` of it next."""
+        if self._last is None:
+            return
+        self.context.guess_branch(slot, self._last)
+        self._posted = (slot, self._last)
+        self.guesses += 1
+
+    def accepted(self, slot: int, r: list[int]) -> bool:
+        """Target lane, once the round that read `slot` accepted r: whether the worker projected branch r."""
+        posted, self._posted, self._last = self._posted, None, r
+        self._hit = slot if posted == (slot, r) else None
+        self.hits += self._hit is not None
+        return self._hit is not None
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        """Head lane: branch r's logits [1, d, V] when the guess for `slot` was right (waiting for the worker to
+        finish them, if it has not), else None."""
+        if self._hit != slot:
+            return None
+        self._hit = None
+        self.context.wait_guess()
+        return self._buffer
