@@ -159,6 +159,19 @@ def sample(logits: Tensor, temperature: Param = 0.0, top_p: Param = 1.0, generat
     return inverse_cdf(probs(logits, temperature, top_p, top_k), u)
 
 
+def stop_at_non_finite(p: Tensor, r: Tensor, bonus: Tensor, finite: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Where acceptance reached a draft position k whose q is not finite, stop there: keep t_1..t_k's verdicts
+    (each made with its own uniform, independent of position k) and draw the bonus from p_k itself, which is
+    exactly what AR would draw, so the round stays lossless whatever the drafter did."""
+    d = finite.shape[1]
+    first_bad = torch.where(finite.all(-1), d, (~finite).int().argmax(-1))
+    hit = r >= first_bad
+    rows = torch.arange(len(r), device=r.device)
+    k = torch.where(hit, first_bad, r)
+    redrawn = inverse_cdf(p[rows, k], u)
+    return k, torch.where(hit, redrawn, bonus)
+
+
 def make_generator(seed: int, device="cpu") -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(int(seed))

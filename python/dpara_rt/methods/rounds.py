@@ -30,7 +30,7 @@ from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa
 from dpara_rt.models.target import Target
 from dpara_rt.native import HostMarkovHead, argmax_finite
 from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
-from dpara_rt.sampling import inverse_cdf, make_generator, probs, sample, uniforms
+from dpara_rt.sampling import make_generator, probs, sample, stop_at_non_finite, uniforms
 
 _ROW_STREAM_SHIFT = 40  # per-row Markov head calls under one seed: row b's Philox offset is calls + (b << 40)
 
@@ -105,19 +105,6 @@ def _warn_non_finite_draft(dec: "Decoder") -> None:
         warnings.warn("the drafter produced non-finite probabilities; those draft tokens are treated as rejected "
                       "and the target's own distribution picks the token (output stays exact; speed suffers)",
                       RuntimeWarning, stacklevel=3)
-
-
-def _stop_at_non_finite(p: Tensor, r: Tensor, bonus: Tensor, finite: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
-    """Where acceptance reached a draft position k whose q is not finite, stop there: keep t_1..t_k's verdicts
-    (each made with its own uniform, independent of position k) and draw the bonus from p_k itself, which is
-    exactly what AR would draw, so the round stays lossless whatever the drafter did."""
-    d = finite.shape[1]
-    first_bad = torch.where(finite.all(-1), d, (~finite).int().argmax(-1))
-    hit = r >= first_bad
-    rows = torch.arange(len(r), device=r.device)
-    k = torch.where(hit, first_bad, r)
-    redrawn = inverse_cdf(p[rows, k], u)
-    return k, torch.where(hit, redrawn, bonus)
 
 
 class Decoder:
@@ -542,7 +529,7 @@ class Decoder:
             q = torch.where(finite[..., None], q, 0.0)
         r, bonus = ops.verify_sample(p, q, block[:, 1:].to(p.device), u_accept, u_bonus)
         if damaged:
-            r, bonus = _stop_at_non_finite(p, r, bonus, finite, u_bonus)
+            r, bonus = stop_at_non_finite(p, r, bonus, finite, u_bonus)
         return Verified(block, feats, r=r.cpu(), bonus=bonus.cpu())
 
     def accept(self, verified: Verified, slot: int = -1) -> Outcome:
