@@ -379,6 +379,40 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
     assert decoders[-1].guess is None
 
 
+def test_a_guess_is_taken_only_by_the_head_of_the_round_that_found_it_right():
+    """BranchGuess with a stand-in context: no guess before a round has accepted; a guess posted for a slot hits
+    only that slot's round with the same r; a hit is taken once, by that round's head, and a hit whose head never
+    ran (a decode paused there) is not taken by a later round on the same slot."""
+    from dpara_rt.branch_guess import BranchGuess
+
+    class Context:
+        def __init__(self):
+            self.posted, self.waited = [], 0
+
+        def shared_buffer(self, name, shape):
+            return torch.zeros(shape)
+
+        def guess_branch(self, slot, r):
+            self.posted.append((slot, r))
+
+        def wait_guess(self):
+            self.waited += 1
+    ctx = Context()
+    guess = BranchGuess(ctx, 3, 40)
+    guess.post(0)
+    assert ctx.posted == [] and not guess.accepted(1, 0, [2])  # nothing to guess from yet
+    guess.post(1)  # branch 2, the r just accepted
+    assert ctx.posted == [(1, [2])]
+    assert not guess.accepted(2, 1, [0]) and guess.take(2, 1) is None  # wrong r
+    guess.post(0)
+    assert guess.accepted(3, 0, [0]) and guess.take(3, 0) is not None and ctx.waited == 1
+    assert guess.take(3, 0) is None  # taken once
+    guess.post(1)
+    assert guess.accepted(4, 1, [0])  # ... and its head never runs: the decode pauses there
+    assert guess.take(6, 1) is None  # a later round's head on the same slot (no guess judged for it) reads none
+    assert (guess.hits, guess.guesses) == (2, 3)
+
+
 def test_the_branch_split_moves_to_where_the_head_and_the_workers_reply_finish_together():
     """BranchSplit from the spans it is shown: a head twice as fast per column as the worker, both starting
     together and the reply delivered at once, settles on 2/3 of the columns; a worker starting earlier leaves

@@ -25,7 +25,7 @@ class BranchGuess:
         self._buffer = context.shared_buffer("guess", (1, d, vocab))
         self._last: list[int] | None = None  # the r the last round accepted
         self._posted: tuple[int, list[int]] | None = None  # (slot, guessed r) the worker projects
-        self._hit: int | None = None  # the slot whose guess verification found right
+        self._hit: tuple[int, int] | None = None  # (round, slot) whose guess verification found right
         self.hits = self.guesses = 0
 
     def post(self, slot: int) -> None:
@@ -36,17 +36,18 @@ class BranchGuess:
         self._posted = (slot, self._last)
         self.guesses += 1
 
-    def accepted(self, slot: int, r: list[int]) -> bool:
-        """Target lane, once the round that read `slot` accepted r: whether the worker projected branch r."""
+    def accepted(self, round_: int, slot: int, r: list[int]) -> bool:
+        """Target lane, once round `round_`, which read `slot`, accepted r: whether the worker projected branch r."""
         posted, self._posted, self._last = self._posted, None, r
-        self._hit = slot if posted == (slot, r) else None
+        self._hit = (round_, slot) if posted == (slot, r) else None
         self.hits += self._hit is not None
         return self._hit is not None
 
-    def take(self, slot: int) -> torch.Tensor | None:
-        """Head lane: branch r's logits [1, d, V] when the guess for `slot` was right (waiting for the worker to
-        finish them, if it has not), else None."""
-        if self._hit != slot:
+    def take(self, round_: int, slot: int) -> torch.Tensor | None:
+        """Head lane, after round `round_`: branch r's logits [1, d, V] when that round's guess was right (waiting for
+        the worker to finish them, if it has not), else None. A hit left by a round whose head never ran (a decode
+        paused there) matches no later round."""
+        if self._hit != (round_, slot):
             return None
         self._hit = None
         self.context.wait_guess()

@@ -303,7 +303,7 @@ class Decoder:
         if (out.finished or self.worker_q is None or self._packed_head is None or self._head_per_row
                 or vocab <= _core.HOST_LINEAR_PANEL):  # one panel: nothing to share
             return
-        if self.guess is not None and self.guess.accepted(slot, out.r.tolist()):  # projected already
+        if self.guess is not None and self.guess.accepted(out.round, slot, out.r.tolist()):  # projected already
             return
         split = self.context.branch_split(vocab, self.state.batch())
         self.context.project_branch(slot, out.r, (self._markov_calls + 1) % 2, split.columns)
@@ -393,8 +393,8 @@ class Decoder:
         if prev is not None:
             self.head_lane.wait(prev.ready)
         self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
-        if self.guess is not None and self.state.batch() == 1:
-            self.guess.post(slot)
+        if self.guess is not None and self.state.batch() == 1 and not self.opts.sampling:  # (a joining request
+            self.guess.post(slot)  # may bring sampling options: its q would come from the branch buffer)
         staged = prev is not None and prev.round > 0
         phase, self._absorbed_ahead = (prev.phase if staged else self._absorbed_ahead), None
         self._in_worker = (self.chain.round, slot, phase)
@@ -438,7 +438,7 @@ class Decoder:
             if self.ring_logits:
                 return self.markov(boundary, r, bonus, ("ring", slot))
             B, vocab = len(r_host), self.drafter.config.vocab_size
-            guessed = self.guess.take(slot) if self.guess is not None else None
+            guessed = self.guess.take(out.round, slot) if self.guess is not None else None
             if guessed is not None:
                 return self.markov(guessed[:, None], self._first_row(B), bonus)
             if self._shared is not None and self._shared[0] == slot:  # the worker projects the last columns meanwhile
