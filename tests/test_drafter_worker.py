@@ -368,7 +368,7 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
     assert guess.guesses >= guessed.stats.rounds - 2 and guess.hits > 0, (guess.guesses, guess.hits)
     assert sent.count("guess_branch") == guess.guesses
     assert sent.count("project_branch") == guess.guesses - guess.hits  # a hit sends no share
-    monkeypatch.setattr(BranchGuess, "post", lambda self, slot: None)
+    monkeypatch.setattr(BranchGuess, "post", lambda self, slot, active=True: None)
     plain = decode(prompt)
     assert decoders[-1].guess.hits == 0
     assert guessed.tokens == plain.tokens and guessed.stats.tau == plain.stats.tau
@@ -410,7 +410,10 @@ def test_a_guess_is_taken_only_by_the_head_of_the_round_that_found_it_right():
     guess.post(1)
     assert guess.accepted(4, 1, [0])  # ... and its head never runs: the decode pauses there
     assert guess.take(6, 1) is None  # a later round's head on the same slot (no guess judged for it) reads none
-    assert (guess.hits, guess.guesses) == (2, 3)
+    guess.post(1)  # branch 0 of slot 1 ... and the decode pauses before that round is verified
+    guess.post(1, active=False)  # after the restart, a round on the same slot without a guess (a sampling row)
+    assert not guess.accepted(8, 1, [0]) and ctx.posted[-1] == (1, [0])
+    assert (guess.hits, guess.guesses) == (2, 4)
 
 
 def test_the_branch_split_moves_to_where_the_head_and_the_workers_reply_finish_together():

@@ -28,9 +28,11 @@ class BranchGuess:
         self._hit: tuple[int, int] | None = None  # (round, slot) whose guess verification found right
         self.hits = self.guesses = 0
 
-    def post(self, slot: int) -> None:
-        """Head lane, right after the slot's backbone went out: project branch `last r` of it next."""
-        if self._last is None:
+    def post(self, slot: int, active: bool = True) -> None:
+        """Head lane, right after the slot's backbone went out: project branch `last r` of it next (unless not
+        `active`: then this round has no guess, and none from an earlier round can match it)."""
+        if not active or self._last is None:
+            self._posted = None
             return
         self.context.guess_branch(slot, self._last)
         self._posted = (slot, self._last)

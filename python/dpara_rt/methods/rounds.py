@@ -393,8 +393,8 @@ class Decoder:
         if prev is not None:
             self.head_lane.wait(prev.ready)
         self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
-        if self.guess is not None and self.state.batch() == 1 and not self.opts.sampling:  # (a joining request
-            self.guess.post(slot)  # may bring sampling options: its q would come from the branch buffer)
+        if self.guess is not None:  # not once the batch grows or a joining request brings sampling options
+            self.guess.post(slot, self.state.batch() == 1 and not self.opts.sampling)
         staged = prev is not None and prev.round > 0
         phase, self._absorbed_ahead = (prev.phase if staged else self._absorbed_ahead), None
         self._in_worker = (self.chain.round, slot, phase)
