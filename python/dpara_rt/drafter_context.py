@@ -172,16 +172,21 @@ class WorkerContext:
         have = self.worker.scratch.get(name)
         if have is None or have[1].numel() < nbytes:
             size = max(1 << 20, 1 << max(nbytes - 1, 0).bit_length())
-            fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, size)
-                mapping = mmap.mmap(fd, size)
-                self.worker.post("map_scratch", name, size, fds=(fd,))
-            finally:
-                os.close(fd)
+            mapping = self._post_mapping(name, size, "map_scratch", name, size)
             self._wait_for("map_scratch", f"the {name!r} scratch mapped")  # replies before it stay for settle
             self.worker.scratch[name] = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
         return self.worker.scratch[name][1]
+
+    def _post_mapping(self, name: str, nbytes: int, op: str, *args) -> mmap.mmap:
+        """A new memfd of nbytes, mapped here and posted to the worker with `op`(*args) to map there."""
+        fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+            self.worker.post(op, *args, fds=(fd,))
+        finally:
+            os.close(fd)
+        return mapping
 
     def _to_scratch(self, features: torch.Tensor) -> tuple[tuple, str]:
         """features copied into the "prompt" scratch, once the worker has absorbed what it held; (shape, dtype)."""
@@ -218,14 +223,8 @@ class WorkerContext:
         kept = self.worker.shared.get(name)
         if kept is not None and tuple(kept[1].shape) == tuple(shape):  # an earlier decode's, still mapped there
             return kept[1]
-        nbytes = 4 * math.prod(shape)
-        fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes)
-            self.worker.call("map_shared", name, tuple(shape), fds=(fd,))
-        finally:
-            os.close(fd)
+        mapping = self._post_mapping(name, 4 * math.prod(shape), "map_shared", name, tuple(shape))
+        self.worker.collect()  # as a call: every reply before it too
         self.worker.shared[name] = (mapping, torch.frombuffer(mapping, dtype=torch.float32).view(shape))
         return self.worker.shared[name][1]
 

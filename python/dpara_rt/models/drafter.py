@@ -344,11 +344,14 @@ class Drafter(nn.Module):
         """The Markov head's bias ``W1[prev] @ W2`` for previous tokens prev [...] -> [..., V]."""
         return self.w1[prev] @ self.w2
 
-    def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Fuse target features [B,T,F] (fc + RMSNorm) and project each layer's K/V at ``positions`` [B,T]."""
+    def _check_feature_width(self, features: Tensor) -> None:
         if features.shape[-1] != self.config.feature_size:
             raise ValueError(f"features have width {features.shape[-1]}; expected len(layer_ids) * "
                              f"target_hidden_size = {self.config.feature_size}")
+
+    def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Fuse target features [B,T,F] (fc + RMSNorm) and project each layer's K/V at ``positions`` [B,T]."""
+        self._check_feature_width(features)
         c = self.context_norm(self.fc(features.to(self.dtype)))
         cos, sin = self._rope(positions)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
@@ -400,9 +403,7 @@ class Drafter(nn.Module):
                 or not host_qwen3.usable(self, torch.empty(0), cache)
                 or self.context_norm.weight.dtype != torch.float32):
             return False
-        if features.shape[-1] != self.config.feature_size:
-            raise ValueError(f"features have width {features.shape[-1]}; expected len(layer_ids) * "
-                             f"target_hidden_size = {self.config.feature_size}")
+        self._check_feature_width(features)
         b, t = positions.shape
         cos, sin = (x.reshape(b * t, -1).contiguous() for x in self._rope(positions))
         self._host.run_context(self.layers, self.config, fc.packed(), self.context_norm.weight.detach().contiguous(),
