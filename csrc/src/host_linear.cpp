@@ -82,34 +82,40 @@ constexpr std::int64_t packed_position(std::int64_t c, bool bf16) {
   return bf16 ? (c / 16) * 16 + 2 * (c % 8) + (c % 16) / 8 : c;
 }
 
-// y[0..MR) x [0..cols) = x[0..MR) @ panel: acc += x[m][k] * w[k] for k in order (one FMA per element and k,
-// the same chain for every MR).
-template <int MR, class W>
+// y[0..MR) x [0..cols) = x[0..MR) @ NP adjacent panels: acc += x[m][k] * w[k] for k in order (one FMA per
+// element and k, the same chain whatever MR and NP). Fewer rows take more panels at once so that at least eight
+// accumulator chains cover the FMA latency: one row over one panel has two, and ran at a third of the rate.
+template <int MR, int NP, class W>
 DPARA_RT_INLINE void tile(const float* x, std::int64_t k_dim, const W* panel, float* y, std::int64_t n,
                           std::int64_t cols) {
-  F16 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = F16{};
+  const std::int64_t stride = k_dim * kPanel;  // from one panel to the next
+  F16 acc[MR][2 * NP];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2 * NP; ++v) acc[m][v] = F16{};
   for (std::int64_t k = 0; k < k_dim; ++k) {
-    F16 w0, w1;
-    prefetch_ahead(panel + k * kPanel);
-    load_weights<16>(panel + k * kPanel, w0, w1);
+    F16 w[2 * NP];
+    for (int q = 0; q < NP; ++q) {
+      prefetch_ahead(panel + q * stride + k * kPanel);
+      load_weights<16>(panel + q * stride + k * kPanel, w[2 * q], w[2 * q + 1]);
+    }
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
-      acc[m][0] += xv * w0;
-      acc[m][1] += xv * w1;
+      for (int v = 0; v < 2 * NP; ++v) acc[m][v] += xv * w[v];
     }
   }
   // Column c sits where packing put it: a bf16 row's packed position p is lane p / 2 of w0 (p even) or w1 (odd),
   // so w0 holds columns 0-7 and 16-23, w1 8-15 and 24-31; a float32 row's is lane p % 16 of w[p / 16].
   constexpr bool kInterleaved = sizeof(W) == 2;
-  for (int m = 0; m < MR; ++m) {
-    float tmp[kPanel];
-    for (int c = 0; c < kPanel; ++c) {
-      const std::int64_t at = packed_position(c, kInterleaved);
-      tmp[c] = kInterleaved ? acc[m][at % 2][at / 2] : acc[m][at / kHalf][at % kHalf];
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < NP && q * kPanel < cols; ++q) {
+      float tmp[kPanel];
+      for (int c = 0; c < kPanel; ++c) {
+        const std::int64_t at = packed_position(c, kInterleaved);
+        tmp[c] = kInterleaved ? acc[m][2 * q + at % 2][at / 2] : acc[m][2 * q + at / kHalf][at % kHalf];
+      }
+      // the last panel's zero padding is not written
+      std::memcpy(y + m * n + q * kPanel, tmp, sizeof(float) * std::min<std::int64_t>(kPanel, cols - q * kPanel));
     }
-    std::memcpy(y + m * n, tmp, sizeof(float) * cols);  // the last panel's zero padding is not written
-  }
 }
 
 // The same in 8-float vectors over G groups of 16 columns (`cols` of them written, contiguous in y), group g's
@@ -155,20 +161,46 @@ DPARA_RT_INLINE bool wide_vectors() {
   return wide;
 }
 
+// The last MR (< 8) rows of a row block over panels [p, min(p + NP, p1)), NP at once where NP remain.
+template <int MR, int NP, class W>
+DPARA_RT_INLINE void rest_rows(const float* x, std::int64_t k, const W* packed, std::int64_t n, std::int64_t p,
+                               std::int64_t p1, float* y, std::int64_t ldy) {
+  if (p + NP <= p1) {
+    const std::int64_t c0 = p * kPanel;
+    return tile<MR, NP>(x, k, packed + p * k * kPanel, y + c0, ldy, std::min(NP * kPanel, n - c0));
+  }
+  for (; p < p1; ++p) {
+    const std::int64_t c0 = p * kPanel;
+    tile<MR, 1>(x, k, packed + p * k * kPanel, y + c0, ldy, std::min(kPanel, n - c0));
+  }
+}
+
 // Panels [p0, p1) of the packed weight into y (rows ldy floats apart; y points at column 0): every caller's
 // output element goes through the same tile and the same FMA chain, whatever the panel range.
 template <class W>
 DPARA_RT_INLINE void linear_wide(const float* x, std::int64_t m, std::int64_t k, const W* packed, std::int64_t n,
                                  std::int64_t p0, std::int64_t p1, float* y, std::int64_t ldy) {
   for (std::int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-    const std::int64_t r1 = std::min(m, r0 + kRowBlock);
+    const std::int64_t r1 = std::min(m, r0 + kRowBlock), r8 = r0 + (r1 - r0) / 8 * 8;
+    const float* xr = x + r8 * k;
+    float* yr = y + r8 * ldy;
     for (std::int64_t p = p0; p < p1; ++p) {
       const W* panel = packed + p * k * kPanel;
       const std::int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
-      std::int64_t r = r0;
-      for (; r + 8 <= r1; r += 8) tile<8>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
-      for (; r + 4 <= r1; r += 4) tile<4>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
-      for (; r < r1; ++r) tile<1>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
+      for (std::int64_t r = r0; r < r8; r += 8) tile<8, 1>(x + r * k, k, panel, y + r * ldy + c0, ldy, cols);
+      // the rows left over, while the panel is in L1; one or two rows take four or two panels per pass
+      const std::int64_t step = r1 - r8 == 1 ? 4 : r1 - r8 <= 3 ? 2 : 1;
+      if ((p - p0) % step != 0) continue;
+      switch (r1 - r8) {
+        case 1: rest_rows<1, 4>(xr, k, packed, n, p, p1, yr, ldy); break;
+        case 2: rest_rows<2, 2>(xr, k, packed, n, p, p1, yr, ldy); break;
+        case 3: rest_rows<3, 2>(xr, k, packed, n, p, p1, yr, ldy); break;
+        case 4: rest_rows<4, 1>(xr, k, packed, n, p, p1, yr, ldy); break;
+        case 5: rest_rows<5, 1>(xr, k, packed, n, p, p1, yr, ldy); break;
+        case 6: rest_rows<6, 1>(xr, k, packed, n, p, p1, yr, ldy); break;
+        case 7: rest_rows<7, 1>(xr, k, packed, n, p, p1, yr, ldy); break;
+        default: break;
+      }
     }
   }
 }

@@ -33,10 +33,11 @@ std::vector<std::uint8_t> pack(const F& w, std::int64_t n, std::int64_t k, DType
 }
 
 void test_exact_against_the_definition() {
-  // Every tile height: 8 + 4 + 1 (wide), and 6-row blocks with 0..5 rows left over (narrow), past a 64-row
-  // block too; a row left alone pairs panels, with an odd panel count (77, 100 columns) and an even one (64).
+  // Every tile height: 8-row tiles with 0..7 rows left over (wide; one or two rows left take four or two panels
+  // per pass, three rows two), and 6-row blocks with 0..5 rows left over (narrow), past a 64-row block too; panel
+  // counts of 1, 2, 3 and 4 (n = 1..100), so that a multi-panel pass also meets a shorter tail.
   for (DType dtype : {DType::float32, DType::bfloat16})
-    for (std::int64_t m : {1, 2, 3, 4, 5, 7, 13, 69})
+    for (std::int64_t m : {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 15, 69})
       for (std::int64_t n : {1, 31, 32, 64, 77, 100}) {
         const std::int64_t k = 37;
         const F w = dyadic(n * k, 7u + n), x = dyadic(m * k, 11u);
@@ -60,7 +61,7 @@ void test_a_row_does_not_depend_on_its_neighbours() {
   F w(n * k);
   for (std::int64_t i = 0; i < n * k; ++i) w[i] = static_cast<float>((i % 17) - 8) / 4.0f;
   for (DType dtype : {DType::float32, DType::bfloat16})
-    for (std::int64_t m : {7, 21}) {
+    for (std::int64_t m : {2, 3, 7, 10, 21}) {
       F x(m * k);
       for (std::int64_t i = 0; i < m * k; ++i) x[i] = static_cast<float>((i * 7 % 23) - 11) / 3.0f;
       const auto packed = pack(w, n, k, dtype);
