@@ -774,6 +774,33 @@ PYBIND11_MODULE(_core, m) {
              s.commit(expect_shape(r, {s.batch()}, "r"), expect_shape(bonus, {s.batch()}, "bonus"), slot, c.second);
              return c.first;
            }, py::arg("r"), py::arg("bonus"), py::arg("slot") = -1, py::arg("committed") = py::none())
+      .def("accept", [](RoundState& s, const I64Array& block, const py::object& target_argmax, const py::object& r,
+                        const py::object& bonus, int slot, Metrics& metrics) {
+             if (block.ndim() != 2 || block.shape(0) != s.batch())
+               throw py::value_error("block must have shape (" + std::to_string(s.batch()) + ", T), got " +
+                                     shape_str(block));
+             const py::ssize_t B = s.batch(), T = block.shape(1);
+             const bool greedy = !target_argmax.is_none();
+             I64Array argmax = greedy ? target_argmax.cast<I64Array>() : I64Array();
+             I64Array r_in = r.is_none() ? I64Array() : r.cast<I64Array>();
+             I64Array bonus_in = bonus.is_none() ? I64Array() : bonus.cast<I64Array>();
+             auto r_out = new_array({B}), bonus_out = new_array({B}), committed = new_array({B}), keep = new_array({B});
+             s.accept(block.data(), int(T), greedy ? expect_shape(argmax, {B, T}, "target_argmax") : nullptr,
+                      r.is_none() ? nullptr : expect_shape(r_in, {B}, "r"),
+                      bonus.is_none() ? nullptr : expect_shape(bonus_in, {B}, "bonus"), slot, metrics,
+                      r_out.mutable_data(), bonus_out.mutable_data(), committed.mutable_data(), keep.mutable_data());
+             py::list tokens;  // what each request committed: the tail of its output
+             for (int b = 0; b < s.batch(); ++b) {
+               const auto& out = s.output(b);
+               const auto n = std::size_t(committed.at(b));
+               tokens.append(py::cast(std::vector<std::int64_t>(out.end() - std::ptrdiff_t(n), out.end())));
+             }
+             return py::make_tuple(r_out, bonus_out, committed, keep, tokens);
+           }, py::arg("block"), py::arg("target_argmax"), py::arg("r"), py::arg("bonus"), py::arg("slot"),
+           py::arg("metrics"),
+           "A verified round in one call (RoundState::accept): block [B, T] as verified, then target_argmax [B, T] "
+           "(greedy) or r and bonus [B] (any rule; an AR round: T = 1, r = 0), None for what is not given; records "
+           "the acceptance in metrics -> (r, bonus, committed, keep, tokens committed per request).")
       .def("spine", [](const RoundState& s) {
              auto out = new_array({s.batch(), s.d() + 1});
              for (int b = 0; b < s.batch(); ++b) std::copy(s.spine(b), s.spine(b) + s.d() + 1, out.mutable_data(b, 0));

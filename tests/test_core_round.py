@@ -167,6 +167,64 @@ def test_caller_owned_outputs():
         state.start(np.array([3, 8]), np.array([1, 1]), np.zeros(2, dtype=np.int32))
 
 
+def _separately(state, metrics, block, argmax, r, bonus, slot):
+    """RoundState.accept spelled out as the separate calls and numpy it fuses."""
+    B, T = block.shape
+    running = ~state.finished()
+    state.set_draft(np.ascontiguousarray(block[:, 1:]) if T > 1 else np.zeros((B, state.d()), np.int64))
+    if argmax is not None:
+        r, bonus, committed = state.step(argmax, slot)
+    else:
+        committed = state.commit(r, bonus, slot)
+    metrics.record_round(np.minimum(r, committed - 1)[running])
+    r, bonus = np.where(running, r, 0), np.where(running, bonus, block[:, 0])
+    out = [state.output(b)[len(state.output(b)) - committed[b]:] for b in range(B)]
+    return r, bonus, committed, (r + 1) * running, out
+
+
+def test_accept_is_set_draft_then_step_or_commit_and_the_rounds_record():
+    """The fused per-round call gives what the separate calls give: r, bonus (s_0 for a request finished before
+    the round), committed, the KV rows to keep, each request's committed tokens, and the same histogram, over
+    greedy rounds cut by EOS and max_new_tokens, rounds of a sampling rule, and AR rounds."""
+    def pair(d):
+        return [(RoundState(3, d, 5, [2], 100), Metrics(d)) for _ in range(2)]
+    for d, rounds in ((3, [("greedy", [[20, 2, 21, 22], [30, 31, 32, 33], [40, 41, 42, 43]],
+                                [[20, 2, 21, 22], [30, 31, 32, 33], [99, 0, 0, 0]]),
+                               ("rule", [[50, 51, 52, 53], [60, 61, 62, 63], [70, 71, 72, 73]], ([0, 2, 3], [7, 8, 9])),
+                               ("greedy", [[1, 4, 4, 4], [1, 5, 5, 5], [1, 6, 6, 6]],
+                                [[4, 4, 4, 4], [5, 5, 1, 1], [6, 6, 6, 6]])]),
+                      (1, [("ar", [[10], [11], [12]], ([0, 0, 0], [13, 2, 15])),
+                           ("ar", [[13], [2], [15]], ([0, 0, 0], [16, 17, 18]))])):
+        (fused, fm), (plain, pm) = pair(d)
+        for st_ in (fused, plain):
+            st_.start(np.array([4, 5, 6]), np.array([10, 11, 12]))
+        for k, (kind, block, given) in enumerate(rounds):
+            block = np.array(block, dtype=np.int64)
+            argmax = np.array(given, dtype=np.int64) if kind == "greedy" else None
+            r, bonus = (None, None) if argmax is not None else (np.array(given[0]), np.array(given[1]))
+            got = fused.accept(block, argmax, r, bonus, k, fm)
+            want = _separately(plain, pm, block, argmax, r, bonus, k)
+            for g, w in zip(got[:4], want[:4]):
+                assert g.tolist() == np.asarray(w).tolist(), (kind, k, got, want)
+            assert got[4] == want[4]
+            assert fused.outputs() == plain.outputs() and fm.histogram().tolist() == pm.histogram().tolist()
+        assert fused.finished().tolist() == plain.finished().tolist() and any(fused.finished())
+    state, metrics = RoundState(2, 3, 8, [], 64), Metrics(3)
+    state.start(np.array([4, 5]), np.array([1, 2]))
+    block, argmax = np.zeros((2, 4), np.int64), np.zeros((2, 4), np.int64)
+    for args, match in (((block, None, None, None), "expected target_argmax .a greedy round. or r and bonus .any rule., got no target_argmax$"),
+                        ((block, argmax, np.zeros(2), np.zeros(2)), "got target_argmax, r, bonus"),
+                        ((block, None, np.zeros(2), None), "got no target_argmax, r$"),
+                        ((np.zeros((2, 3), np.int64), None, np.zeros(2), np.zeros(2)), "blocks of T = 3 tokens, expected d \\+ 1 = 4"),
+                        ((np.zeros((2, 1), np.int64), np.zeros((2, 1)), None, None), "target_argmax for an AR round"),
+                        ((np.zeros((2, 1), np.int64), None, np.array([0, 1]), np.zeros(2)), r"r\[1\] = 1 in an AR round"),
+                        ((np.zeros((3, 4), np.int64), argmax, None, None), r"block must have shape \(2, T\), got \(3, 4\)"),
+                        ((block, np.zeros((2, 3)), None, None), r"target_argmax must have shape \(2, 4\)")):
+        with pytest.raises(ValueError, match=match):
+            state.accept(*args, 0, metrics)
+    assert state.rounds() == 0 and metrics.rounds == 0  # a refused round changes nothing
+
+
 def test_round_state_bad_input_names_the_value():
     with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
         RoundState(0, 4, 8, [], 64)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "dpara_rt/metrics.h"
 #include "util.h"
 
 namespace dpara_rt {
@@ -199,6 +200,50 @@ void RoundState::step(const std::int64_t* target_argmax, int slot, std::int64_t*
       r_out[b] = 0;
       bonus_out[b] = spine_[std::size_t(b) * std::size_t(d_ + 1)];
     }
+}
+
+void RoundState::accept(const std::int64_t* block, int T, const std::int64_t* target_argmax, const std::int64_t* r,
+                        const std::int64_t* bonus, int slot, Metrics& metrics, std::int64_t* r_out,
+                        std::int64_t* bonus_out, std::int64_t* committed_out, std::int64_t* keep_out) {
+  require_started("accept");
+  if (T != d_ + 1 && T != 1)
+    detail::value_error("accept: blocks of T = ", T, " tokens, expected d + 1 = ", d_ + 1, " or 1 (an AR round)");
+  if ((target_argmax != nullptr) == (r != nullptr && bonus != nullptr) || (r == nullptr) != (bonus == nullptr))
+    detail::value_error("accept: expected target_argmax (a greedy round) or r and bonus (any rule), got ",
+                        target_argmax ? "target_argmax" : "no target_argmax", r ? ", r" : "", bonus ? ", bonus" : "");
+  if (target_argmax != nullptr && T == 1)
+    detail::value_error("accept: target_argmax for an AR round (T = 1), expected its bonus as r = 0 and bonus");
+  thread_local std::vector<std::int64_t> draft;
+  thread_local std::vector<char> ran;
+  draft.assign(std::size_t(batch_) * std::size_t(d_), 0);
+  ran.resize(std::size_t(batch_));
+  for (int b = 0; b < batch_; ++b) {
+    ran[std::size_t(b)] = reqs_[std::size_t(b)].reason == FinishReason::none;
+    if (T == 1 && ran[std::size_t(b)] && r[b] != 0)
+      detail::value_error("accept: r[", b, "] = ", r[b], " in an AR round (T = 1), expected 0");
+    for (int j = 0; j + 1 < T; ++j)
+      draft[std::size_t(b) * std::size_t(d_) + std::size_t(j)] = block[std::size_t(b) * std::size_t(T) + 1 + j];
+  }
+  set_draft(draft.data());
+  if (target_argmax != nullptr) {
+    step(target_argmax, slot, r_out, bonus_out, committed_out);
+  } else {
+    std::copy(r, r + batch_, r_out);
+    std::copy(bonus, bonus + batch_, bonus_out);
+    commit(r_out, bonus_out, slot, committed_out);
+  }
+  thread_local std::vector<std::int64_t> accepted;
+  accepted.clear();
+  for (int b = 0; b < batch_; ++b) {
+    if (ran[std::size_t(b)]) {
+      accepted.push_back(std::min(r_out[b], committed_out[b] - 1));  // a round cut by EOS kept only what it committed
+      keep_out[b] = r_out[b] + 1;
+    } else {
+      r_out[b] = keep_out[b] = 0;
+      bonus_out[b] = block[std::size_t(b) * std::size_t(T)];  // it stays s_0 in the batched forwards
+    }
+  }
+  metrics.record_round(accepted.data(), std::int64_t(accepted.size()));
 }
 
 void RoundState::commit(const std::int64_t* r, const std::int64_t* bonus, int slot, std::int64_t* committed_out) {

@@ -208,6 +208,31 @@ static void test_draft_limit() {
   CHECK_THROWS(Staging(1, 0, 0), std::invalid_argument, "staging draft length d must be in 1..");
 }
 
+static void test_accept_round() {
+  // One call per round: a greedy round cut by an EOS, then a rule's (r, bonus) with the finished row in the batch.
+  RoundState st(2, 3, 100, {7}, 1000);
+  Metrics m(3);
+  V p{10, 12}, first{100, 200}, c(2), r(2), b(2), keep(2);
+  st.start(p.data(), first.data(), c.data());
+  V block{100, 11, 7, 13, 200, 21, 22, 23}, argmax{11, 7, 13, 0, 21, 22, 5, 6};
+  st.accept(block.data(), 4, argmax.data(), nullptr, nullptr, 1, m, r.data(), b.data(), c.data(), keep.data());
+  CHECK((r == V{3, 2}) && (b == V{0, 5}) && (c == V{2, 3}) && (keep == V{4, 3}));
+  CHECK((m.histogram() == V{0, 1, 1, 0}));  // row 0 accepted 3 but committed only 11 and the EOS: recorded as 1
+  CHECK(st.finished(0) && (st.output(1) == V{200, 21, 22, 5}));
+  V block2{0, 0, 0, 0, 5, 31, 32, 33}, rule_r{2, 1}, rule_bonus{9, 40};
+  st.accept(block2.data(), 4, nullptr, rule_r.data(), rule_bonus.data(), 0, m, r.data(), b.data(), c.data(),
+            keep.data());
+  CHECK((r == V{0, 1}) && (b == V{0, 40}) && (c == V{0, 2}) && (keep == V{0, 2}));  // row 0 keeps its s_0
+  CHECK((st.output(1) == V{200, 21, 22, 5, 31, 40}) && (m.histogram() == V{0, 2, 1, 0}));
+  CHECK_THROWS(st.accept(block2.data(), 4, argmax.data(), rule_r.data(), rule_bonus.data(), 0, m, r.data(), b.data(),
+                         c.data(), keep.data()),
+               std::invalid_argument, "expected target_argmax (a greedy round) or r and bonus");
+  CHECK_THROWS(st.accept(block2.data(), 2, nullptr, rule_r.data(), rule_bonus.data(), 0, m, r.data(), b.data(),
+                         c.data(), keep.data()),
+               std::invalid_argument, "blocks of T = 2 tokens, expected d + 1 = 4 or 1");
+  CHECK(st.rounds() == 2 && m.rounds() == 2);
+}
+
 int main() {
   test_greedy_accept();
   test_commit_full_block();
@@ -220,5 +245,6 @@ int main() {
   test_metrics();
   test_metrics_overlap();
   test_draft_limit();
+  test_accept_round();
   return check::finish("test_round_metrics");
 }

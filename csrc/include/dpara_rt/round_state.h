@@ -13,6 +13,8 @@
 
 namespace dpara_rt {
 
+class Metrics;
+
 enum class FinishReason : std::uint8_t { none = 0, eos = 1, length = 2, max_len = 3, cancelled = 4 };
 const char* finish_reason_name(FinishReason r);  // "", "eos", "length", "max_len", "cancelled"
 
@@ -67,6 +69,15 @@ class RoundState {
   // at max_new_tokens or at max_len even inside the block; then spine[0] = bonus, the positions advance
   // and `slot` (the ring slot of this round, -1 for none) joins each running request's history.
   void commit(const std::int64_t* r, const std::int64_t* bonus, int slot, std::int64_t* committed_out);
+  // A verified round as an engine takes it, in one call (each separate call costs the per-round path microseconds
+  // of interpreter time): `block` [batch, T] is what the target verified, s_0 then the draft (T = d + 1), or s_0
+  // alone (T = 1: an AR round, with no draft, whose r must be 0). A greedy round gives target_argmax [batch, T]
+  // (step()), any other the rule's r and bonus (commit()); pass null for what is not given. Requests that were
+  // running record their acceptance in `metrics` (r, cut to what they committed); keep_out[b] = r + 1 for them
+  // (the target's KV rows to keep), 0 for a request finished before the round, whose r_out is 0 and bonus_out s_0.
+  void accept(const std::int64_t* block, int T, const std::int64_t* target_argmax, const std::int64_t* r,
+              const std::int64_t* bonus, int slot, Metrics& metrics, std::int64_t* r_out, std::int64_t* bonus_out,
+              std::int64_t* committed_out, std::int64_t* keep_out);
 
   int batch() const { return batch_; }
   int d() const { return d_; }

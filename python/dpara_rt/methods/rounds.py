@@ -534,37 +534,24 @@ class Decoder:
 
     def accept(self, verified: Verified, slot: int = -1) -> Outcome:
         """Target lane: commit the round. The C++ round state accepts (greedy) or takes the drawn (r, bonus),
-        stops at EOS or max_new_tokens inside the block, and the target keeps the KV of s_0..s_r."""
-        block = verified.block
-        B = block.shape[0]
+        stops at EOS or max_new_tokens inside the block, and records the round; the target keeps the KV of
+        s_0..s_r."""
         for b in self.admission.retirements() if self.admission is not None else ():
             self.state.retire(b)  # a cancelled request leaves now: nothing of this round is committed for it
-        # numpy, not torch, for these [B] vectors: this runs every round, right after a verify evicted the caches
-        running = ~np.asarray(self.state.finished(), dtype=bool)
-        block_np = block.numpy()
-        draft = block_np[:, 1:] if block.shape[1] > 1 else np.zeros((B, self.d), dtype=np.int64)
-        self.state.set_draft(np.ascontiguousarray(draft, dtype=np.int64))
-        r, bonus, committed = (np.zeros(B, dtype=np.int64) for _ in range(3))
-        if verified.argmax is not None:
-            self.state.step(np.ascontiguousarray(verified.argmax.numpy(), dtype=np.int64), slot, r, bonus, committed)
-        else:
-            r[:], bonus[:] = verified.r.numpy(), verified.bonus.numpy()
-            self.state.commit(r, bonus, slot, committed)
-        rnd = int(self.state.rounds())
-        # tau counts what rounds committed: a round cut by EOS / max_new_tokens accepted only what it kept
-        self.metrics.record_round(np.minimum(r, committed - 1)[running])
-        r_t = torch.from_numpy(r)
-        keep = torch.from_numpy((r + 1) * running)
-        self.target.commit(keep)
+        # one core call: this runs every round, right after a verify, and each small array op costs microseconds
+        greedy = verified.argmax is not None
+        r, bonus, _, keep, tokens = self.state.accept(
+            verified.block.numpy(), verified.argmax.numpy() if greedy else None,
+            None if greedy else verified.r.numpy(), None if greedy else verified.bonus.numpy(), slot, self.metrics)
+        r_t, keep_t = torch.from_numpy(r), torch.from_numpy(keep)
+        self.target.commit(keep_t)
         # Finished requests keep their last bonus as s_0: their rows still run through the batched forwards.
-        bonus_t = torch.from_numpy(np.where(running, bonus, block_np[:, 0]))
+        bonus_t = torch.from_numpy(bonus)
+        rnd = self.state.rounds()
         if self.drafter is not None and not self._head_on_target:
             self._stage(self.target_lane, "rb", torch.stack([r_t, bonus_t], 1).to(torch.int32), rnd % 2)
-        # What a round commits is a prefix of t1..tr, bonus (cut at EOS / max_new_tokens).
-        rows, rl, cl = draft.tolist(), r.tolist(), committed.tolist()
-        tokens = [(rows[b][:rl[b]] + [int(bonus[b])])[:cl[b]] for b in range(B)]
         self.chain.round = rnd
-        return Outcome(rnd, r_t, bonus_t, tokens, verified.features, keep, self.running_mask(),
+        return Outcome(rnd, r_t, bonus_t, tokens, verified.features, keep_t, self.running_mask(),
                        self.target_lane.record())
 
     def verify_and_accept(self, draft: Draft, slot: int = -1) -> Outcome:
