@@ -63,27 +63,30 @@ struct ArgMax {
   }
 };
 
-// z[v] = (z[v] + acc[v]) * scale for one tile, fed to the arg-max (with Gumbel noise when sampling).
+// (z[v] + acc[v]) * scale for one tile, fed to the arg-max (with Gumbel noise when sampling) and kept in out[v]
+// when out is given (z itself for a row made in place; null when no q needs the logits).
 template <bool kNoise>
-DPARA_RT_INLINE void finish_tile(float* z, const float* noise, const float* acc, std::int64_t v0, std::int64_t n,
-                                 float scale, ArgMax& best) {
+DPARA_RT_INLINE void finish_tile(const float* z, float* out, const float* noise, const float* acc, std::int64_t v0,
+                                 std::int64_t n, float scale, ArgMax& best) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const F8 s = (load8(z + v0 + i) + load8(acc + i)) * scale;
-    store8(z + v0 + i, s);
+    if (out) store8(out + v0 + i, s);
     best.push8(kNoise ? s + load8(noise + v0 + i) : s, v0 + i);
   }
   for (; i < n; ++i) {
     const float s = (z[v0 + i] + acc[i]) * scale;
-    z[v0 + i] = s;
+    if (out) out[v0 + i] = s;
     best.push1(kNoise ? s + noise[v0 + i] : s, v0 + i);
   }
 }
 
-// One request's state during a step: its row z (the boundary row as float32, becoming the logits), its
-// Gumbel noise (null when greedy), its coefficients a = W1[x_prev, :] and its running arg-max.
+// One request's state during a step: its row z (the boundary row as float32), where its logits go (z itself when
+// a q needs them, else null: a float32 boundary row is then read where it lies), its Gumbel noise (null when
+// greedy), its coefficients a = W1[x_prev, :] and its running arg-max.
 struct RowState {
-  float* z;
+  const float* z;
+  float* out;
   const float* noise;
   const float* a;
   ArgMax best;
@@ -188,8 +191,8 @@ DPARA_RT_HOT void step_rows(RowState* rows, int count, std::int64_t tile, const 
     accumulate_rows(acc, tile, rows, count, w2, rank, vocab, v0, n);
     for (int b = 0; b < count; ++b) {
       RowState& row = rows[b];
-      if (row.noise) finish_tile<true>(row.z, row.noise, acc + b * tile, v0, n, scale, row.best);
-      else finish_tile<false>(row.z, row.noise, acc + b * tile, v0, n, scale, row.best);
+      if (row.noise) finish_tile<true>(row.z, row.out, row.noise, acc + b * tile, v0, n, scale, row.best);
+      else finish_tile<false>(row.z, row.out, row.noise, acc + b * tile, v0, n, scale, row.best);
     }
   }
 }
@@ -216,15 +219,15 @@ DPARA_RT_INLINE void accumulate_one(float* acc, const float* a, const float* w2,
 
 // step_rows for a single request: z (the boundary row, as float32) becomes (z + a @ W2) * scale in place;
 // returns arg-max of z (+ noise).
-DPARA_RT_HOT std::int64_t step(float* z, const float* noise, const float* a, const float* w2, std::int64_t rank,
-                               std::int64_t vocab, float scale) {
+DPARA_RT_HOT std::int64_t step(const float* z, float* out, const float* noise, const float* a, const float* w2,
+                               std::int64_t rank, std::int64_t vocab, float scale) {
   alignas(64) float acc[kTile];
   ArgMax best;
   for (std::int64_t v0 = 0; v0 < vocab; v0 += kTile) {
     const std::int64_t n = std::min(kTile, vocab - v0);
     accumulate_one(acc, a, w2, rank, vocab, v0, n);
-    if (noise) finish_tile<true>(z, noise, acc, v0, n, scale, best);
-    else finish_tile<false>(z, noise, acc, v0, n, scale, best);
+    if (noise) finish_tile<true>(z, out, noise, acc, v0, n, scale, best);
+    else finish_tile<false>(z, out, noise, acc, v0, n, scale, best);
   }
   return best.index();
 }
@@ -243,11 +246,11 @@ DPARA_RT_HOT void bias_rows(const RowState* rows, float* const* out, int count, 
 }
 
 // One step of a request whose bias row is known: z becomes (z + bias) * scale; returns arg-max of z (+ noise).
-DPARA_RT_HOT std::int64_t step_with_bias(float* z, const float* noise, const float* bias, std::int64_t vocab,
-                                         float scale) {
+DPARA_RT_HOT std::int64_t step_with_bias(const float* z, float* out, const float* noise, const float* bias,
+                                         std::int64_t vocab, float scale) {
   ArgMax best;
-  if (noise) finish_tile<true>(z, noise, bias, 0, vocab, scale, best);
-  else finish_tile<false>(z, noise, bias, 0, vocab, scale, best);
+  if (noise) finish_tile<true>(z, out, noise, bias, 0, vocab, scale, best);
+  else finish_tile<false>(z, out, noise, bias, 0, vocab, scale, best);
   return best.index();
 }
 
@@ -457,7 +460,7 @@ void cached_step(MarkovBiasCache& cache, RowState* rows, std::int64_t* x, int co
     }
   }
   if (n_missing) bias_rows(missing, fill, n_missing, tile, w2, rank, vocab);
-  for (int i = 0; i < count; ++i) x[i] = step_with_bias(rows[i].z, rows[i].noise, bias[i], vocab, scale);
+  for (int i = 0; i < count; ++i) x[i] = step_with_bias(rows[i].z, rows[i].out, rows[i].noise, bias[i], vocab, scale);
 }
 
 // The head's loop, shared by markov_head_host and markov_q_host. forced (q only): the draft is given, and each
@@ -480,8 +483,11 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
   const std::int64_t tile = std::min(kTile, kAccFloats / block / 8 * 8);
   std::unique_lock<std::mutex> lock;
   if (cache) lock = std::unique_lock<std::mutex>(cache->mutex());
-  // Per row of a block: its logits unless they go to q_out, or its Gumbel noise when drawn here.
-  std::vector<float> scratch(static_cast<std::size_t>(block * vocab));
+  // A float32 boundary row is read where it lies unless a q needs its logits (q_out): a step then reads 64 KB at
+  // V = 8192 where a copy made it 160, right after a verify has pushed everything out of the core's caches.
+  const bool in_place = !q_out && boundary_dtype == DType::float32;
+  // Per row of a block: its logits unless they go to q_out or are not kept, or its Gumbel noise when drawn here.
+  std::vector<float> scratch(in_place && !(sample && !noise && !forced) ? 0 : static_cast<std::size_t>(block * vocab));
   RowState rows[kBlockRows];
   std::int64_t x[kBlockRows];
   const char* src[kBlockRows];
@@ -495,9 +501,10 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
     for (int j = 0; j < d; ++j) {
       for (int i = 0; i < count; ++i) {
         const std::int64_t out = (b0 + i) * d + j;
-        float* own = scratch.data() + i * vocab;
-        float* z = q_out ? q_out + out * vocab : own;
-        load_row(z, src[i] + std::size_t(j * vocab) * esize, boundary_dtype, vocab);
+        float* own = scratch.empty() ? nullptr : scratch.data() + i * vocab;
+        const char* row = src[i] + std::size_t(j * vocab) * esize;
+        float* z = in_place ? nullptr : q_out ? q_out + out * vocab : own;
+        if (z) load_row(z, row, boundary_dtype, vocab);
         const float* g = nullptr;
         if (sample && noise) {
           g = noise + out * vocab;  // drawn ahead of time by gumbel_noise_host: the same bits
@@ -505,7 +512,8 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
           gumbel_row(own, std::uint32_t(out * vocab), vocab, key);
           g = own;
         }
-        rows[i].z = z;
+        rows[i].z = z ? z : reinterpret_cast<const float*>(row);
+        rows[i].out = z;
         rows[i].noise = forced ? nullptr : g;
         rows[i].a = w1 + x[i] * rank;
       }
@@ -519,7 +527,7 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
                      : step_pruned(rows[i].z, rows[i].noise, scale, rows[i].a,
                                    static_cast<const std::uint16_t*>(w2t), w2_norms, rank, vocab);
       } else if (count == 1) {
-        x[0] = step(rows[0].z, rows[0].noise, rows[0].a, w2, rank, vocab, scale);
+        x[0] = step(rows[0].z, rows[0].out, rows[0].noise, rows[0].a, w2, rank, vocab, scale);
       } else {
         step_rows(rows, count, tile, w2, rank, vocab, scale);
         for (int i = 0; i < count; ++i) x[i] = rows[i].best.index();
@@ -528,7 +536,7 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
         const std::int64_t out = (b0 + i) * d + j;
         if (forced) x[i] = forced[out];
         check_index(forced ? "draft" : "drafted token x", out, x[i], vocab, "vocab");  // guards the next W1 read
-        if (q_out) softmax_row(rows[i].z, vocab);
+        if (q_out) softmax_row(rows[i].out, vocab);
         if (draft_out) draft_out[out] = x[i];
       }
     }
