@@ -94,6 +94,35 @@ def test_repacks_when_a_weight_changes(monkeypatch):
     torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_a_decodes_verifies_trust_the_layers_its_start_checked(monkeypatch):
+    """Target.start checks every parameter against its packed copy; the verifies after it check only the cache
+    (recheck=False), so a weight changed in the middle of a decode is seen from the next start on."""
+    model = _model(bf16_weights=True)
+    checks = []
+    unchanged = host_qwen3._PackedLayer.unchanged
+    monkeypatch.setattr(host_qwen3._PackedLayer, "unchanged", lambda self: checks.append(self) or unchanged(self))
+    target, block = Target(model, 1, 64), torch.tensor([[4, 8, 15]])
+    with torch.no_grad():
+        target.start([[5, 17, 3]])
+        target.start([[5, 17, 3]])
+        assert len(checks) == 3  # the second start checked each layer
+        first, _ = target.verify(block)
+        target.verify(block)
+        assert len(checks) == 3
+        model.layers[1].mlp.down_proj.weight.mul_(0.5)
+        assert torch.equal(target.verify(block)[0], first)
+        target.start([[5, 17, 3]])
+        fresh, _ = target.verify(block)
+    monkeypatch.undo()
+    monkeypatch.setattr(host_qwen3, "usable", lambda *a: False)
+    with torch.no_grad():
+        reference = Target(model, 1, 64)
+        reference.start([[5, 17, 3]])
+        expected, _ = reference.verify(block)
+    assert not torch.allclose(fresh, first)
+    torch.testing.assert_close(fresh, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_replaced_parameter_is_repacked_and_copies_pack_their_own(monkeypatch):
     import copy
     model = _model(bf16_weights=True)

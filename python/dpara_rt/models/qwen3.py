@@ -279,7 +279,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache | None = None,
                 layer_ids: Sequence[int] = (), *, kv_len: int | None = None,
-                logits_index: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                logits_index: Tensor | None = None, recheck: bool = True) -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, V] (fp32) and the captured layers' outputs concatenated, [B, T, len(layer_ids) * H]
         (layer i's output is transformers' hidden_states[i + 1]: the last layer's is after the final norm).
 
@@ -287,7 +287,10 @@ class Qwen3ForCausalLM(nn.Module):
         batch row b) and query (b, t) sees cache slots 0..positions[b, t]; the caller must make each row's
         positions contiguous from its committed length so that no stale slot is visible. cache.lengths is
         left alone. `kv_len` (optional) is max(positions) + 1, passed by callers that know it to avoid a
-        device sync. `logits_index` [B] picks one position per row: logits are then [B, 1, V].
+        device sync. `logits_index` [B] picks one position per row: logits are then [B, 1, V]. `recheck=False`
+        lets the native layers skip checking the parameters against their packed copies when nothing about the
+        call's cache changed since the last forward that checked them (a decode's verifies after its prefill:
+        the check reads every parameter's storage and version, a tenth of a one-token decode step).
         Without a cache, token t' is visible to t when positions[b, t'] <= positions[b, t].
         """
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
@@ -309,7 +312,7 @@ class Qwen3ForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(positions, self.inv_freq, h.dtype)
         if host_qwen3.usable(self, h, cache):
-            h, features = self._host_layers(h, positions, cos, sin, cache, layer_ids)
+            h, features = self._host_layers(h, positions, cos, sin, cache, layer_ids, recheck)
         else:
             G = self.config.num_kv_groups
             key_pos = positions if cache is None else torch.arange(kv_len, device=positions.device).expand(B, kv_len)
@@ -331,7 +334,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(h).float(), features
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
-                     layer_ids: Sequence[int]) -> tuple[Tensor, Tensor | None]:
+                     layer_ids: Sequence[int], recheck: bool = True) -> tuple[Tensor, Tensor | None]:
         """The decoder layers in one native call (models/host_qwen3.py) and the final norm: (h, features), the
         captured layers written into the features by the core (the last one after the norm, as forward's)."""
         if self._host is None:
@@ -346,7 +349,7 @@ class Qwen3ForCausalLM(nn.Module):
         for j, i in enumerate(layer_ids):
             capture.setdefault(i, j * H)
         self._host.run_all(self.layers, self.config, flat, positions, cos, sin, cache,
-                           {i: col for i, col in capture.items() if i != last}, features)
+                           {i: col for i, col in capture.items() if i != last}, features, recheck)
         h = self._host.norm(self.norm, flat.view(B, T, H))
         for j, i in enumerate(layer_ids):  # the last layer's feature, and any layer listed twice
             if i == last:

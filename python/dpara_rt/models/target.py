@@ -184,11 +184,12 @@ class Target(TargetBase):
         Returns (logits [B, T, V] fp32, features [B, T, F])."""
         tokens = self._check_verify(tokens, self.cache.lengths[: self.batch])
         B, T = tokens.shape
-        lengths = self.cache.lengths[:B]
-        end = lengths + T
-        positions = (lengths[:, None] + torch.arange(T)).to(self.device)
+        # numpy for these [B] vectors: this runs every round, right after the last round evicted the caches
+        lengths = self.cache.lengths.numpy()[:B]
+        positions = torch.from_numpy(lengths[:, None] + np.arange(T)).to(self.device)
+        # the parameters were checked against their packed copies by this decode's start(): not again per round
         logits, feats = self.model(tokens.to(self.device), positions, self.cache, self.layer_ids,
-                                   kv_len=int(end.max()))
+                                   kv_len=int(lengths.max()) + T, recheck=False)
         self._last_t = T
         return logits, self._features(feats, B, T)
 
