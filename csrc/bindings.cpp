@@ -624,6 +624,35 @@ PYBIND11_MODULE(_core, m) {
            "Every layer over h [batch * t, hidden] (float32, updated in place), as HostQwen3Layer.forward each; h "
            "after layer i copied into features [batch * t, features_width] at column capture[i] where that is >= 0. "
            "Releases the GIL.")
+      .def("tokens_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
+                                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
+                                std::uintptr_t embed, std::int64_t vocab, std::uintptr_t cos_table,
+                                std::uintptr_t sin_table, std::int64_t table_len, std::uintptr_t final_norm,
+                                double final_eps, std::uintptr_t head, const std::string& head_dtype,
+                                std::int64_t head_vocab, std::uintptr_t tokens, std::int64_t batch, std::int64_t t,
+                                std::uintptr_t positions, std::int64_t last_capture, std::uintptr_t features,
+                                std::int64_t features_width, std::uintptr_t logits) {
+             const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
+             const HostQwen3Ends ends{reinterpret_cast<const float*>(embed), vocab,
+                                      reinterpret_cast<const float*>(cos_table),
+                                      reinterpret_cast<const float*>(sin_table), table_len,
+                                      reinterpret_cast<const float*>(final_norm), static_cast<float>(final_eps),
+                                      {reinterpret_cast<const void*>(head), parse_dtype(head_dtype)}, head_vocab};
+             py::gil_scoped_release nogil;
+             host_qwen3_tokens(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
+                               ends, reinterpret_cast<const std::int64_t*>(tokens), batch, t,
+                               reinterpret_cast<const std::int64_t*>(positions), st.capture.data(), last_capture,
+                               reinterpret_cast<float*>(features), features_width, reinterpret_cast<float*>(logits));
+           },
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("embed"), py::arg("vocab"), py::arg("cos_table"), py::arg("sin_table"),
+           py::arg("table_len"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("head_dtype"),
+           py::arg("head_vocab"), py::arg("tokens"), py::arg("batch"), py::arg("t"), py::arg("positions"),
+           py::arg("last_capture"), py::arg("features"), py::arg("features_width"), py::arg("logits"),
+           "A whole forward (host_qwen3_tokens): tokens [batch, t] and positions int64, the embedding [vocab, hidden], "
+           "RoPE tables [table_len, head_dim] and final norm float32, the output head packed by host_linear_pack; "
+           "logits [batch * t, head_vocab] float32, the capture as forward's plus the final-normed rows at column "
+           "last_capture (-1: none). Releases the GIL.")
       .def("block_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
                                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
                                std::uintptr_t h, std::int64_t batch, std::int64_t t, std::uintptr_t ctx_lens,

@@ -123,6 +123,38 @@ def test_a_decodes_verifies_trust_the_layers_its_start_checked(monkeypatch):
     torch.testing.assert_close(fresh, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer_ids", [[0, 2], [2, 2], []])
+def test_a_verify_is_one_core_call_with_the_bits_of_its_steps(monkeypatch, layer_ids):
+    """A verify runs embedding, RoPE rows, layers, final norm and output head in one core call (host_qwen3_tokens),
+    with the bits the native steps give one by one (a ragged batch, features of any layers); a token id out of
+    the vocabulary is refused by name before anything is written."""
+    model = _model(bf16_weights=True)
+    prompts, block = [[5, 17, 3, 88, 41], [12, 7]], torch.tensor([[4, 8, 15], [42, 1, 2]])
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Qwen3ForCausalLM, "_host_forward", lambda *a: None)
+        calls = []
+        tokens_forward = _core.HostQwen3Stack.tokens_forward
+        monkeypatch.setattr(_core.HostQwen3Stack, "tokens_forward",
+                            lambda *a, **k: calls.append(1) or tokens_forward(*a, **k), raising=False)
+        target = Target(model, 2, 64, layer_ids)
+        with torch.no_grad():
+            target.start(prompts)
+            out[fused] = target.verify(block)
+        assert len(calls) == (1 if fused else 0)
+        monkeypatch.undo()
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    target = Target(model, 1, 64, layer_ids)
+    with torch.no_grad():
+        target.start([[5, 17]])
+        before = target.cache.k.clone()
+        with pytest.raises(ValueError, match=r"tokens\[0, 1\] = 96, expected 0..95"):
+            target.verify(torch.tensor([[4, 96, 1]]))
+    assert torch.equal(target.cache.k, before)
+
+
 def test_a_replaced_parameter_is_repacked_and_copies_pack_their_own(monkeypatch):
     import copy
     model = _model(bf16_weights=True)

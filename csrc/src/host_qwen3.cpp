@@ -376,6 +376,49 @@ void host_qwen3_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
   }
 }
 
+void host_qwen3_tokens(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* caches,
+                       std::int64_t n_layers, const HostQwen3Ends& ends, const std::int64_t* tokens,
+                       std::int64_t batch, std::int64_t t, const std::int64_t* positions, const std::int64_t* capture,
+                       std::int64_t last_capture, float* features, std::int64_t features_width, float* logits) {
+  constexpr const char* kWhat = "host_qwen3_tokens";
+  if (!ends.embed || !ends.cos_table || !ends.sin_table || !ends.final_norm || !ends.head.data)
+    detail::value_error(kWhat, ": the embedding, RoPE tables, final norm and output head must all be given");
+  if (ends.vocab < 1 || ends.table_len < 1 || ends.head_vocab < 1 || !(ends.final_eps > 0))
+    detail::value_error(kWhat, ": vocab ", ends.vocab, ", table_len ", ends.table_len, ", head_vocab ",
+                        ends.head_vocab, ", final_eps ", ends.final_eps, "; expected each >= 1 and eps > 0");
+  if (ends.head.dtype != DType::float32 && ends.head.dtype != DType::bfloat16)
+    detail::value_error(kWhat, ": output head dtype ", dtype_name(ends.head.dtype), ", expected float32 or bfloat16 "
+                        "(host_linear_pack's)");
+  if (batch < 0 || t < 1) detail::value_error(kWhat, ": batch ", batch, ", t ", t, "; expected batch >= 0, t >= 1");
+  const std::int64_t rows = batch * t, hd = dm.head_dim, hidden = dm.hidden;
+  if (rows && (!tokens || !positions || !logits))
+    detail::value_error(kWhat, ": tokens, positions and logits must be non-null (rows = ", rows, ")");
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (tokens[r] < 0 || tokens[r] >= ends.vocab)
+      detail::value_error(kWhat, ": tokens[", r / t, ", ", r % t, "] = ", tokens[r], ", expected 0..", ends.vocab - 1);
+    if (positions[r] < 0 || positions[r] >= ends.table_len)
+      detail::value_error(kWhat, ": positions[", r / t, ", ", r % t, "] = ", positions[r], ", expected 0..",
+                          ends.table_len - 1, " (the RoPE tables' rows)");
+  }
+  if (last_capture >= 0 && ((!features && rows) || last_capture > features_width - hidden))
+    detail::value_error(kWhat, ": last_capture ", last_capture, " with features_width ", features_width,
+                        ", expected a column in 0..", features_width - hidden, " of a features buffer");
+  std::vector<float> h(std::size_t(rows * hidden)), cos(std::size_t(rows * hd)), sin(std::size_t(rows * hd));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::memcpy(h.data() + r * hidden, ends.embed + tokens[r] * hidden, sizeof(float) * hidden);
+    std::memcpy(cos.data() + r * hd, ends.cos_table + positions[r] * hd, sizeof(float) * hd);
+    std::memcpy(sin.data() + r * hd, ends.sin_table + positions[r] * hd, sizeof(float) * hd);
+  }
+  host_qwen3_layers(dm, weights, caches, n_layers, h.data(), batch, t, positions, cos.data(), sin.data(), capture,
+                    features, features_width);
+  std::vector<float> normed(h.size());
+  norm_rows(h.data(), ends.final_norm, rows, hidden, ends.final_eps, normed.data());
+  if (last_capture >= 0)
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::memcpy(features + r * features_width + last_capture, normed.data() + r * hidden, sizeof(float) * hidden);
+  host_linear(normed.data(), rows, hidden, ends.head.data, ends.head.dtype, ends.head_vocab, logits);
+}
+
 void host_block_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* contexts,
                        std::int64_t n_layers, float* h, std::int64_t batch, std::int64_t t,
                        const std::int64_t* ctx_lens, const std::uint8_t* visible, std::int64_t visible_stride,

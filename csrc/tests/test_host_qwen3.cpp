@@ -204,9 +204,74 @@ void test_the_context_update_stores_what_the_layer_stores() {
   CHECK(max_abs_diff(before.data(), k_ctx.data(), batch * row_stride) == 0.0f);
 }
 
+void test_a_whole_forward_is_its_steps() {
+  // host_qwen3_tokens against its steps taken one by one: gathered embedding and RoPE rows, the layers (capturing
+  // layer 0), the final norm (copied into the features too) and the output head; bit for bit. A bad token id is
+  // refused by name before anything is written.
+  const HostQwen3Dims dm{32, 4, 2, 8, 48, 1e-6f};
+  const std::int64_t layers = 2, batch = 2, t = 3, max_len = 16, hd = dm.hidden, vocab = 40, table = 20;
+  std::vector<Layer> ls;
+  std::vector<HostQwen3Weights> ws;
+  for (int i = 0; i < layers; ++i) ls.push_back(make_layer(dm, 300u * (i + 1)));
+  for (auto& l : ls) ws.push_back(l.w);
+  const std::int64_t head_stride = max_len * dm.head_dim, row_stride = dm.kv_heads * head_stride;
+  const std::int64_t layer_size = batch * row_stride;
+  F k1(layers * layer_size), v1(k1.size()), k2(k1.size()), v2(k1.size());
+  std::vector<HostKVLayer> c1, c2;
+  for (int i = 0; i < layers; ++i) {
+    c1.push_back({k1.data() + i * layer_size, v1.data() + i * layer_size, row_stride, head_stride, max_len});
+    c2.push_back({k2.data() + i * layer_size, v2.data() + i * layer_size, row_stride, head_stride, max_len});
+  }
+  std::vector<std::int64_t> all_pos(table);
+  for (std::int64_t p = 0; p < table; ++p) all_pos[p] = p;
+  F cos_table, sin_table;
+  rope(dm, all_pos, cos_table, sin_table);
+  const F embed = noise(vocab * hd, 21, 2.0f), final_norm = noise(hd, 23, 0.5f), head_w = noise(vocab * hd, 25, 0.4f);
+  std::vector<float> head(host_linear_packed_elems(vocab, hd));
+  host_linear_pack(head_w.data(), vocab, hd, head.data(), DType::float32);
+  const HostQwen3Ends ends{embed.data(), vocab, cos_table.data(), sin_table.data(), table, final_norm.data(), 1e-6f,
+                           {head.data(), DType::float32}, vocab};
+  const std::vector<std::int64_t> tokens = {3, 17, 39, 0, 8, 8}, pos = {4, 5, 6, 1, 2, 3};
+  const std::vector<std::int64_t> capture = {0, -1};
+  const std::int64_t rows = batch * t, fw = 2 * hd;
+  F feats(rows * fw, 0.0f), logits(rows * vocab);
+  host_qwen3_tokens(dm, ws.data(), c1.data(), layers, ends, tokens.data(), batch, t, pos.data(), capture.data(), hd,
+                    feats.data(), fw, logits.data());
+
+  F h(rows * hd), cos(rows * dm.head_dim), sin(rows * dm.head_dim), feats2(rows * fw, 0.0f), normed(rows * hd),
+      logits2(rows * vocab);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t i = 0; i < hd; ++i) h[r * hd + i] = embed[tokens[r] * hd + i];
+    for (std::int64_t i = 0; i < dm.head_dim; ++i) {
+      cos[r * dm.head_dim + i] = cos_table[pos[r] * dm.head_dim + i];
+      sin[r * dm.head_dim + i] = sin_table[pos[r] * dm.head_dim + i];
+    }
+  }
+  host_qwen3_layers(dm, ws.data(), c2.data(), layers, h.data(), batch, t, pos.data(), cos.data(), sin.data(),
+                    capture.data(), feats2.data(), fw);
+  host_rms_norm(h.data(), final_norm.data(), rows, hd, 1e-6f, normed.data());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t i = 0; i < hd; ++i) feats2[r * fw + hd + i] = normed[r * hd + i];
+  host_linear(normed.data(), rows, hd, head.data(), DType::float32, vocab, logits2.data());
+  CHECK(max_abs_diff(logits.data(), logits2.data(), rows * vocab) == 0.0f);
+  CHECK(max_abs_diff(feats.data(), feats2.data(), rows * fw) == 0.0f);
+  CHECK(max_abs_diff(k1.data(), k2.data(), layers * layer_size) == 0.0f);
+
+  const F k_before = k1;
+  const std::vector<std::int64_t> bad = {3, 17, 40, 0, 8, 8}, far = {4, 5, 6, 1, 2, 20};
+  CHECK_THROWS(host_qwen3_tokens(dm, ws.data(), c1.data(), layers, ends, bad.data(), batch, t, pos.data(),
+                                 capture.data(), hd, feats.data(), fw, logits.data()),
+               std::invalid_argument, "tokens[0, 2] = 40, expected 0..39");
+  CHECK_THROWS(host_qwen3_tokens(dm, ws.data(), c1.data(), layers, ends, tokens.data(), batch, t, far.data(),
+                                 capture.data(), hd, feats.data(), fw, logits.data()),
+               std::invalid_argument, "positions[1, 2] = 20, expected 0..19");
+  CHECK(max_abs_diff(k_before.data(), k1.data(), layers * layer_size) == 0.0f);
+}
+
 }  // namespace
 
 int main() {
+  test_a_whole_forward_is_its_steps();
   test_a_causal_block_equals_decoding_after_the_context();
   test_the_context_update_stores_what_the_layer_stores();
   return check::finish("test_host_qwen3");

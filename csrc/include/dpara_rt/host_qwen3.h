@@ -61,6 +61,31 @@ void host_qwen3_layers(const HostQwen3Dims& dims, const HostQwen3Weights* weight
                        const std::int64_t* positions, const float* cos, const float* sin,
                        const std::int64_t* capture, float* features, std::int64_t features_width);
 
+// What a whole forward needs besides the layers (host_qwen3_tokens): the embedding table [vocab, hidden], the RoPE
+// tables cos / sin [table_len, head_dim] by position, the final RMSNorm and the packed output head.
+struct HostQwen3Ends {
+  const float* embed = nullptr;
+  std::int64_t vocab = 0;
+  const float* cos_table = nullptr;
+  const float* sin_table = nullptr;
+  std::int64_t table_len = 0;
+  const float* final_norm = nullptr;  // [hidden]
+  float final_eps = 1e-6f;
+  HostPackedLinear head;              // [head_vocab, hidden]
+  std::int64_t head_vocab = 0;
+};
+
+// A forward from token ids to logits in one call (a verify or a decode step, where each separate call cost the
+// round interpreter time right after the last round had evicted the caches): the embedding rows of tokens
+// [batch, t] (each in 0..vocab-1) and the RoPE rows of positions (each below table_len), host_qwen3_layers over
+// them (capture as there), the final RMSNorm of every row, copied into features at column last_capture when it is
+// >= 0, and logits [batch * t, head_vocab] = that through the output head. The same bits as those steps taken one
+// by one (a gathered row is a copy). Everything is checked before the first write. One thread.
+void host_qwen3_tokens(const HostQwen3Dims& dims, const HostQwen3Weights* weights, const HostKVLayer* caches,
+                       std::int64_t n_layers, const HostQwen3Ends& ends, const std::int64_t* tokens,
+                       std::int64_t batch, std::int64_t t, const std::int64_t* positions, const std::int64_t* capture,
+                       std::int64_t last_capture, float* features, std::int64_t features_width, float* logits);
+
 // A drafter's backbone over blocks of rows that attend to an injected context and to each other through a
 // visibility mask (a DPara boundary's spine and branches, a DSpark block): layers as host_qwen3_layer, except that
 // the rows' K/V stay out of the cache. Row (b, j) attends to slots 0..ctx_lens[b]-1 of contexts[i] (layer i's

@@ -111,6 +111,21 @@ class HostQwen3:
         stack.forward(*_dims(cfg), h.data_ptr(), B, T, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       0 if features is None else features.data_ptr(), 0 if features is None else features.shape[-1])
 
+    def run_tokens(self, layers, cfg, ends: tuple, tokens: Tensor, positions: Tensor, cache, capture: dict[int, int],
+                   last_capture: int, features: Tensor | None, logits: Tensor, recheck: bool = True) -> None:
+        """A whole forward in one core call (``host_qwen3_tokens``): tokens and positions [B, T] (int64, contiguous),
+        ends = (embedding [V, H], RoPE tables cos / sin [n, head_dim] covering every position, final norm weight
+        and eps, the output head as HostLinear.packed gives it), logits [B, T, V'] (float32, contiguous); h after
+        layer i copied into features [B * T, F] at column capture[i], the final-normed rows at last_capture (-1:
+        none). recheck=False: see _stack_for."""
+        embed, cos, sin, norm, eps, (packed, dtype) = ends
+        stack = self._stack_for(layers, cache, [capture.get(i, -1) for i in range(len(layers))], recheck)
+        B, T = tokens.shape
+        stack.tokens_forward(*_dims(cfg), embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(), len(cos),
+                             norm.data_ptr(), eps, packed.data_ptr(), dtype, logits.shape[-1], tokens.data_ptr(), B, T,
+                             positions.data_ptr(), last_capture, 0 if features is None else features.data_ptr(),
+                             0 if features is None else features.shape[-1], logits.data_ptr())
+
     def run_block(self, layers, cfg, final_norm: Tensor, h: Tensor, ctx_lens: Tensor, visible: Tensor, cos: Tensor,
                   sin: Tensor, cache, keep_from: int) -> Tensor:
         """A drafter's backbone over blocks of rows in one core call (``host_block_layers``): h [B, T, H] (float32,

@@ -168,11 +168,17 @@ class RopeTable:
         lo, hi = int(lo), int(hi)
         if lo < 0:
             return rope_cos_sin(positions, inv_freq, dtype)
+        cos, sin = self.table(hi, inv_freq, dtype)
+        return cos[positions][..., None, :], sin[positions][..., None, :]
+
+    def table(self, hi: int, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The tables (cos, sin) [n, head_dim], contiguous, with a row for every position 0..hi (n > hi)."""
         if not self._for or self._for[0] is not inv_freq or self._for[1] != dtype or hi >= len(self._cos):
             n = max(256, hi + 1, 2 * len(self._cos) if self._for and self._for[0] is inv_freq else 0)
             cos, sin = rope_cos_sin(torch.arange(n)[None], inv_freq, dtype)
-            self._cos, self._sin, self._for = cos[0, :, 0], sin[0, :, 0], (inv_freq, dtype)
-        return self._cos[positions][..., None, :], self._sin[positions][..., None, :]
+            self._cos, self._sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
+            self._for = (inv_freq, dtype)
+        return self._cos, self._sin
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -309,6 +315,10 @@ class Qwen3ForCausalLM(nn.Module):
             kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
             if kv_len > cache.max_len:
                 raise ValueError(f"position {kv_len - 1} is past the KV cache's max_len {cache.max_len}")
+        if cache is not None and logits_index is None:
+            out = self._host_forward(input_ids, positions, cache, layer_ids, kv_len, recheck)
+            if out is not None:
+                return out
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(positions, self.inv_freq, h.dtype)
         if host_qwen3.usable(self, h, cache):
@@ -332,6 +342,34 @@ class Qwen3ForCausalLM(nn.Module):
         if logits_index is not None:
             h = h[torch.arange(B, device=h.device), logits_index.to(h.device)].unsqueeze(1)
         return self.lm_head(h).float(), features
+
+    def _host_forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, layer_ids: Sequence[int],
+                      kv_len: int, recheck: bool) -> tuple[Tensor, Tensor | None] | None:
+        """The whole forward in one core call (HostQwen3.run_tokens: embedding, RoPE rows, layers, final norm, output
+        head), with the bits of the steps taken one by one; None where it does not apply (then forward takes them)."""
+        emb, norm, head = self.embed_tokens.weight, self.norm.weight, self.lm_head
+        if not (host_qwen3.usable(self, emb, cache) and isinstance(head, HostLinear) and head._native(emb)
+                and emb.is_contiguous() and norm.dtype == torch.float32 and norm.is_contiguous()
+                and input_ids.device.type == "cpu" and positions.dtype == torch.long):
+            return None
+        if self._host is None:
+            self._host = host_qwen3.HostQwen3()
+        B, T = input_ids.shape
+        H, last = self.config.hidden_size, len(self.layers) - 1
+        cos, sin = self._rope.table(kv_len - 1, self.inv_freq, torch.float32)
+        features = torch.empty(B * T, len(layer_ids) * H) if layer_ids else None
+        capture = {}
+        for j, i in enumerate(layer_ids):
+            capture.setdefault(i, j * H)
+        logits = torch.empty(B, T, head.weight.shape[0])
+        self._host.run_tokens(self.layers, self.config, (emb, cos, sin, norm, self.norm.eps, head.packed()),
+                              input_ids.contiguous(), positions.contiguous(), cache,
+                              {i: col for i, col in capture.items() if i != last}, capture.get(last, -1), features,
+                              logits, recheck)
+        for j, i in enumerate(layer_ids):  # a layer listed twice
+            if capture[i] != j * H:
+                features[:, j * H:(j + 1) * H] = features[:, capture[i]:capture[i] + H]
+        return logits, (features.view(B, T, -1) if features is not None else None)
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
                      layer_ids: Sequence[int], recheck: bool = True) -> tuple[Tensor, Tensor | None]:
