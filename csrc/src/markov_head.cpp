@@ -177,7 +177,7 @@ DPARA_RT_INLINE void accumulate_rows(float* acc, std::int64_t tile, const RowSta
   for (; k < rank; ++k) accumulate1_rows(acc, tile, rows, count, k, w2 + k * vocab + v0, n);
 }
 
-// One step of `count` requests together: each row's z becomes (z + a @ W2) * scale in place, and each row's
+// One step of `count` requests together: each row's (z + a @ W2) * scale goes to its out (when given), and each row's
 // arg-max of z (+ noise) is left in its RowState. Tiled over the vocabulary so that all rows' bias
 // accumulators (count x tile floats, acc) stay in L1 while W2 streams through once per step for all of
 // them; four W2 rows per pass cut the accumulators' loads and stores fourfold. Per element the bias is
@@ -217,7 +217,7 @@ DPARA_RT_INLINE void accumulate_one(float* acc, const float* a, const float* w2,
   }
 }
 
-// step_rows for a single request: z (the boundary row, as float32) becomes (z + a @ W2) * scale in place;
+// step_rows for a single request: (z + a @ W2) * scale of z (the boundary row, as float32) into out (when given);
 // returns arg-max of z (+ noise).
 DPARA_RT_HOT std::int64_t step(const float* z, float* out, const float* noise, const float* a, const float* w2,
                                std::int64_t rank, std::int64_t vocab, float scale) {
@@ -245,7 +245,8 @@ DPARA_RT_HOT void bias_rows(const RowState* rows, float* const* out, int count, 
   }
 }
 
-// One step of a request whose bias row is known: z becomes (z + bias) * scale; returns arg-max of z (+ noise).
+// One step of a request whose bias row is known: (z + bias) * scale into out (when given); returns its arg-max
+// (+ noise).
 DPARA_RT_HOT std::int64_t step_with_bias(const float* z, float* out, const float* noise, const float* bias,
                                          std::int64_t vocab, float scale) {
   ArgMax best;
