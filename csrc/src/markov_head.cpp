@@ -487,8 +487,9 @@ void run_head(const void* boundary, DType boundary_dtype, std::int64_t batch, st
   // A float32 boundary row is read where it lies unless a q needs its logits (q_out): a step then reads 64 KB at
   // V = 8192 where a copy made it 160, right after a verify has pushed everything out of the core's caches.
   const bool in_place = !q_out && boundary_dtype == DType::float32;
-  // Per row of a block: its logits unless they go to q_out or are not kept, or its Gumbel noise when drawn here.
-  std::vector<float> scratch(in_place && !(sample && !noise && !forced) ? 0 : static_cast<std::size_t>(block * vocab));
+  // Per row of a block: its logits unless they go to q_out, or its Gumbel noise when drawn here (sampling without
+  // noise drawn ahead needs q_out, so never in place).
+  std::vector<float> scratch(in_place ? 0 : static_cast<std::size_t>(block * vocab));
   RowState rows[kBlockRows];
   std::int64_t x[kBlockRows];
   const char* src[kBlockRows];

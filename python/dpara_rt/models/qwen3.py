@@ -245,6 +245,24 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _feature_columns(layer_ids: Sequence[int], rows: int, hidden: int,
+                     dtype: torch.dtype) -> tuple[Tensor | None, dict[int, int]]:
+    """A native forward's features buffer [rows, len(layer_ids) * hidden] (None without layer ids) and the column
+    where the core writes each captured layer: its first listing (_copy_repeated_layers fills the others)."""
+    capture: dict[int, int] = {}
+    for j, i in enumerate(layer_ids):
+        capture.setdefault(i, j * hidden)
+    return (torch.empty(rows, len(layer_ids) * hidden, dtype=dtype) if layer_ids else None), capture
+
+
+def _copy_repeated_layers(features: Tensor | None, layer_ids: Sequence[int], capture: dict[int, int],
+                          hidden: int) -> None:
+    """A layer listed twice in layer_ids: its later columns copied from the one the core wrote."""
+    for j, i in enumerate(layer_ids):
+        if capture[i] != j * hidden:
+            features[:, j * hidden:(j + 1) * hidden] = features[:, capture[i]:capture[i] + hidden]
+
+
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config, device=None, dtype=None):
         super().__init__()
@@ -357,18 +375,13 @@ class Qwen3ForCausalLM(nn.Module):
         B, T = input_ids.shape
         H, last = self.config.hidden_size, len(self.layers) - 1
         cos, sin = self._rope.table(kv_len - 1, self.inv_freq, torch.float32)
-        features = torch.empty(B * T, len(layer_ids) * H) if layer_ids else None
-        capture = {}
-        for j, i in enumerate(layer_ids):
-            capture.setdefault(i, j * H)
+        features, capture = _feature_columns(layer_ids, B * T, H, torch.float32)
         logits = torch.empty(B, T, head.weight.shape[0])
         self._host.run_tokens(self.layers, self.config, (emb, cos, sin, norm, self.norm.eps, head.packed()),
                               input_ids.contiguous(), positions.contiguous(), cache,
                               {i: col for i, col in capture.items() if i != last}, capture.get(last, -1), features,
                               logits, recheck)
-        for j, i in enumerate(layer_ids):  # a layer listed twice
-            if capture[i] != j * H:
-                features[:, j * H:(j + 1) * H] = features[:, capture[i]:capture[i] + H]
+        _copy_repeated_layers(features, layer_ids, capture, H)
         return logits, (features.view(B, T, -1) if features is not None else None)
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
@@ -382,16 +395,11 @@ class Qwen3ForCausalLM(nn.Module):
         positions = positions.to(torch.long).contiguous()
         cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
         last = len(self.layers) - 1
-        features = torch.empty(B * T, len(layer_ids) * H, dtype=flat.dtype) if layer_ids else None
-        capture = {}
-        for j, i in enumerate(layer_ids):
-            capture.setdefault(i, j * H)
+        features, capture = _feature_columns(layer_ids, B * T, H, flat.dtype)
         self._host.run_all(self.layers, self.config, flat, positions, cos, sin, cache,
                            {i: col for i, col in capture.items() if i != last}, features, recheck)
         h = self._host.norm(self.norm, flat.view(B, T, H))
-        for j, i in enumerate(layer_ids):  # the last layer's feature, and any layer listed twice
-            if i == last:
-                features[:, j * H:(j + 1) * H] = h.view(B * T, H)
-            elif capture[i] != j * H:
-                features[:, j * H:(j + 1) * H] = features[:, capture[i]:capture[i] + H]
+        if last in capture:  # the last layer's feature is taken after the final norm
+            features[:, capture[last]:capture[last] + H] = h.view(B * T, H)
+        _copy_repeated_layers(features, layer_ids, capture, H)
         return h, (features.view(B, T, -1) if features is not None else None)
