@@ -587,6 +587,22 @@ PYBIND11_MODULE(_core, m) {
     std::vector<HostKVLayer> caches;
     std::vector<std::int64_t> capture;
   };
+  // A decode's verify bound once (HostQwen3Stack.verify_plan): each round passes only its tokens and buffers.
+  struct HostQwen3Verify {
+    const HostQwen3Stack* stack;
+    HostQwen3Dims dims;
+    HostQwen3Ends ends;
+    std::int64_t last_capture, features_width;
+    const std::int64_t* lengths;
+  };
+  auto host_ends = [](std::uintptr_t embed, std::int64_t vocab, std::uintptr_t cos_table, std::uintptr_t sin_table,
+                      std::int64_t table_len, std::uintptr_t final_norm, double final_eps, std::uintptr_t head,
+                      const std::string& head_dtype, std::int64_t head_vocab) {
+    return HostQwen3Ends{reinterpret_cast<const float*>(embed), vocab, reinterpret_cast<const float*>(cos_table),
+                         reinterpret_cast<const float*>(sin_table), table_len,
+                         reinterpret_cast<const float*>(final_norm), static_cast<float>(final_eps),
+                         {reinterpret_cast<const void*>(head), parse_dtype(head_dtype)}, head_vocab};
+  };
   py::class_<HostQwen3Stack>(m, "HostQwen3Stack", "A target's HostQwen3Layers over its KV cache, run in one call.")
       .def(py::init([](const std::vector<const HostQwen3Weights*>& layers, std::uintptr_t k, std::uintptr_t v,
                        std::int64_t layer_stride, std::int64_t row_stride, std::int64_t head_stride,
@@ -624,20 +640,19 @@ PYBIND11_MODULE(_core, m) {
            "Every layer over h [batch * t, hidden] (float32, updated in place), as HostQwen3Layer.forward each; h "
            "after layer i copied into features [batch * t, features_width] at column capture[i] where that is >= 0. "
            "Releases the GIL.")
-      .def("tokens_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
-                                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
-                                std::uintptr_t embed, std::int64_t vocab, std::uintptr_t cos_table,
-                                std::uintptr_t sin_table, std::int64_t table_len, std::uintptr_t final_norm,
-                                double final_eps, std::uintptr_t head, const std::string& head_dtype,
-                                std::int64_t head_vocab, std::uintptr_t tokens, std::int64_t batch, std::int64_t t,
-                                std::uintptr_t positions, std::int64_t last_capture, std::uintptr_t features,
-                                std::int64_t features_width, std::uintptr_t logits) {
+      .def("tokens_forward", [host_ends](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
+                                         std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate,
+                                         double eps, std::uintptr_t embed, std::int64_t vocab,
+                                         std::uintptr_t cos_table, std::uintptr_t sin_table, std::int64_t table_len,
+                                         std::uintptr_t final_norm, double final_eps, std::uintptr_t head,
+                                         const std::string& head_dtype, std::int64_t head_vocab,
+                                         std::uintptr_t tokens, std::int64_t batch, std::int64_t t,
+                                         std::uintptr_t positions, std::int64_t last_capture,
+                                         std::uintptr_t features, std::int64_t features_width,
+                                         std::uintptr_t logits) {
              const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
-             const HostQwen3Ends ends{reinterpret_cast<const float*>(embed), vocab,
-                                      reinterpret_cast<const float*>(cos_table),
-                                      reinterpret_cast<const float*>(sin_table), table_len,
-                                      reinterpret_cast<const float*>(final_norm), static_cast<float>(final_eps),
-                                      {reinterpret_cast<const void*>(head), parse_dtype(head_dtype)}, head_vocab};
+             const HostQwen3Ends ends = host_ends(embed, vocab, cos_table, sin_table, table_len, final_norm, final_eps,
+                                                  head, head_dtype, head_vocab);
              py::gil_scoped_release nogil;
              host_qwen3_tokens(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
                                ends, reinterpret_cast<const std::int64_t*>(tokens), batch, t,
@@ -653,6 +668,25 @@ PYBIND11_MODULE(_core, m) {
            "RoPE tables [table_len, head_dim] and final norm float32, the output head packed by host_linear_pack; "
            "logits [batch * t, head_vocab] float32, the capture as forward's plus the final-normed rows at column "
            "last_capture (-1: none). Releases the GIL.")
+      .def("verify_plan", [host_ends](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
+                                      std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate,
+                                      double eps, std::uintptr_t embed, std::int64_t vocab, std::uintptr_t cos_table,
+                                      std::uintptr_t sin_table, std::int64_t table_len, std::uintptr_t final_norm,
+                                      double final_eps, std::uintptr_t head, const std::string& head_dtype,
+                                      std::int64_t head_vocab, std::int64_t last_capture, std::int64_t features_width,
+                                      std::uintptr_t lengths) {
+             return HostQwen3Verify{&st, {hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)},
+                                    host_ends(embed, vocab, cos_table, sin_table, table_len, final_norm, final_eps,
+                                              head, head_dtype, head_vocab),
+                                    last_capture, features_width, reinterpret_cast<const std::int64_t*>(lengths)};
+           },
+           py::keep_alive<0, 1>(), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate"), py::arg("eps"), py::arg("embed"), py::arg("vocab"), py::arg("cos_table"),
+           py::arg("sin_table"), py::arg("table_len"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"),
+           py::arg("head_dtype"), py::arg("head_vocab"), py::arg("last_capture"), py::arg("features_width"),
+           py::arg("lengths"),
+           "A decode's verify bound once: tokens_forward's ends and capture, and the cache's committed lengths "
+           "[batch] int64, read at each run (the caller keeps every buffer alive and in place).")
       .def("block_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
                                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
                                std::uintptr_t h, std::int64_t batch, std::int64_t t, std::uintptr_t ctx_lens,
@@ -698,6 +732,23 @@ PYBIND11_MODULE(_core, m) {
            "A drafter's context update (host_context_kv) into its context cache: features [batch * t, feature_width] "
            "float32, fc packed by host_linear_pack, lengths / counts [batch] int64, cos / sin [batch * t, head_dim] "
            "at positions lengths[b] + j. Releases the GIL.");
+  py::class_<HostQwen3Verify>(m, "HostQwen3Verify", "A decode's verify bound once (HostQwen3Stack.verify_plan).")
+      .def("run", [](const HostQwen3Verify& p, std::uintptr_t tokens, std::int64_t batch, std::int64_t t,
+                     std::uintptr_t features, std::uintptr_t logits, std::uintptr_t argmax_out) {
+             const HostQwen3Stack& st = *p.stack;
+             py::gil_scoped_release nogil;
+             return host_qwen3_verify(p.dims, st.weights.data(), st.caches.data(),
+                                      static_cast<std::int64_t>(st.weights.size()), p.ends,
+                                      reinterpret_cast<const std::int64_t*>(tokens), batch, t, p.lengths,
+                                      st.capture.data(), p.last_capture, reinterpret_cast<float*>(features),
+                                      p.features_width, reinterpret_cast<float*>(logits),
+                                      reinterpret_cast<std::int64_t*>(argmax_out));
+           },
+           py::arg("tokens"), py::arg("batch"), py::arg("t"), py::arg("features"), py::arg("logits"),
+           py::arg("argmax_out"),
+           "host_qwen3_verify: tokens [batch, t] int64 at each row's committed length; features [batch * t, "
+           "features_width] (0 without capture), logits [batch * t, head_vocab] float32 and argmax_out [batch * t] "
+           "int64 written. Returns whether every logit is finite. Releases the GIL.");
   m.def("host_rms_norm", [](std::uintptr_t x_ptr, std::uintptr_t w_ptr, std::int64_t rows, std::int64_t n, double eps,
                             std::uintptr_t out_ptr) {
         py::gil_scoped_release nogil;

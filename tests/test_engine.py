@@ -49,6 +49,27 @@ def test_greedy_equals_ar(pair, name, batch, d):
     assert sum(st.acceptance_histogram) > 0
 
 
+@pytest.mark.parametrize("name", ["ar", "dspark", "dpara"])
+def test_a_round_verifies_in_one_core_call_straight_into_the_staging(pair, name, monkeypatch):
+    """On the host each verify of a decode is one call of the target's verify plan (host_qwen3_verify), and its
+    features are written where the drafter reads them: nothing copies them into the staging."""
+    from dpara_rt import _core
+    runs, copies = [], []
+    run, copy_in = _core.HostQwen3Verify.run, _core.Staging.copy_in
+    monkeypatch.setattr(_core.HostQwen3Verify, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    monkeypatch.setattr(_core.Staging, "copy_in",
+                        lambda staging, lane, region, *a: copies.append(region) or copy_in(staging, lane, region, *a))
+    target, drafter = pair
+    prompts = prompts_for(2, seed=3)
+    eng = Engine(target, drafter if name != "ar" else None, method=name, max_len=512)
+    out = eng.generate(prompts, max_new_tokens=24)
+    eng.close()
+    assert out.tokens == ar_reference(target, prompts, 24)
+    assert len(runs) == out.stats.rounds > 0
+    assert "features" not in copies
+    assert name != "dspark" or {"draft", "rb"} <= set(copies)  # its other staging copies do go through copy_in
+
+
 def test_acceptance_is_ragged_and_nontrivial(pair):
     """The pair exercises every path: some rounds accept nothing, some accept many."""
     target, drafter = pair

@@ -155,6 +155,45 @@ def test_a_verify_is_one_core_call_with_the_bits_of_its_steps(monkeypatch, layer
     assert torch.equal(target.cache.k, before)
 
 
+@pytest.mark.parametrize("layer_ids", [[0, 2], [2, 2], []])
+def test_a_decodes_verify_plan_gives_the_verifys_bits_and_its_argmax(monkeypatch, layer_ids):
+    """Target.verify_argmax runs each verify of a decode as one call of the plan start() bound (host_qwen3_verify):
+    the logits and features verify() gives, the features written straight into features_out, and the arg-max, at
+    positions that follow the commits. A layer listed twice has no plan (the Python path copies it) and gives the
+    same. A verify past the cache is refused by name with the cache untouched; a NaN logit gives no arg-max."""
+    model = _model(bf16_weights=True)
+    runs = []
+    run = _core.HostQwen3Verify.run
+    monkeypatch.setattr(_core.HostQwen3Verify, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    planned, reference = Target(model, 2, 64, layer_ids), Target(model, 2, 64, layer_ids)
+    prompts = [[5, 17, 3, 88, 41], [12, 7]]
+    with torch.no_grad():
+        planned.start(prompts)
+        reference.start(prompts)
+        assert (planned._plan is None) == (layer_ids == [2, 2])
+        for block, keep in ((torch.tensor([[4, 8, 15], [42, 1, 2]]), [2, 3]), (torch.tensor([[9], [33]]), [1, 1])):
+            out = torch.full((2, block.shape[1], planned.feature_dim), float("nan"))
+            logits, feats, argmax = planned.verify_argmax(block, out)
+            expected, expected_feats = reference.verify(block)
+            assert torch.equal(logits, expected) and torch.equal(feats, expected_feats)
+            assert feats.data_ptr() == out.data_ptr()
+            assert torch.equal(argmax, expected.argmax(-1))
+            for target in (planned, reference):
+                target.commit(torch.tensor(keep))
+    assert len(runs) == (0 if layer_ids == [2, 2] else 2)
+    if layer_ids == [2, 2]:
+        return
+    with torch.no_grad():
+        target = Target(model, 1, 16, layer_ids)
+        target.start([[5, 17, 3]])
+        before = target.cache.k.clone()
+        with pytest.raises(ValueError, match=r"lengths\[0\] = 3 with t = 14, expected 0..2"):
+            target.verify_argmax(torch.arange(14)[None])
+        assert torch.equal(target.cache.k, before)
+        model.embed_tokens.weight[8, 0] = float("nan")  # read as it is (embedding rows are not packed)
+        assert target.verify_argmax(torch.tensor([[4, 8]]))[2] is None
+
+
 def test_a_replaced_parameter_is_repacked_and_copies_pack_their_own(monkeypatch):
     import copy
     model = _model(bf16_weights=True)

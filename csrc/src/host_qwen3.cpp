@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dpara_rt/host_linear.h"
+#include "dpara_rt/verify.h"
 #include "markov_head_math.h"  // exp_nonpositive, DPARA_RT_HOT / DPARA_RT_INLINE
 #include "util.h"
 
@@ -417,6 +418,30 @@ void host_qwen3_tokens(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
     for (std::int64_t r = 0; r < rows; ++r)
       std::memcpy(features + r * features_width + last_capture, normed.data() + r * hidden, sizeof(float) * hidden);
   host_linear(normed.data(), rows, hidden, ends.head.data, ends.head.dtype, ends.head_vocab, logits);
+}
+
+bool host_qwen3_verify(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* caches,
+                       std::int64_t n_layers, const HostQwen3Ends& ends, const std::int64_t* tokens,
+                       std::int64_t batch, std::int64_t t, const std::int64_t* lengths, const std::int64_t* capture,
+                       std::int64_t last_capture, float* features, std::int64_t features_width, float* logits,
+                       std::int64_t* argmax_out) {
+  constexpr const char* kWhat = "host_qwen3_verify";
+  if (n_layers < 1 || !caches)
+    detail::value_error(kWhat, ": n_layers = ", n_layers, " with caches; expected >= 1 layer");
+  if (batch < 0 || t < 1) detail::value_error(kWhat, ": batch ", batch, ", t ", t, "; expected batch >= 0, t >= 1");
+  if (batch && (!lengths || !argmax_out))
+    detail::value_error(kWhat, ": lengths and argmax_out must be non-null (batch = ", batch, ")");
+  const std::int64_t max_len = caches[0].max_len;
+  std::vector<std::int64_t> positions(std::size_t(batch * t));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] < 0 || lengths[b] > max_len - t)
+      detail::value_error(kWhat, ": lengths[", b, "] = ", lengths[b], " with t = ", t, ", expected 0..", max_len - t,
+                          " (the KV cache holds ", max_len, " slots a row)");
+    for (std::int64_t j = 0; j < t; ++j) positions[std::size_t(b * t + j)] = lengths[b] + j;
+  }
+  host_qwen3_tokens(dm, weights, caches, n_layers, ends, tokens, batch, t, positions.data(), capture, last_capture,
+                    features, features_width, logits);
+  return argmax_finite_host(logits, batch * t, ends.head_vocab, argmax_out);
 }
 
 void host_block_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* contexts,

@@ -2,6 +2,7 @@
 // a context equals the same tokens decoded through host_qwen3_layer over that context (within float32 rounding:
 // the two sum attention in different orders); the last layer's skipped rows change nothing of the kept ones; a
 // per-block mask; refusals name the value. A context update stores the K/V the layer stores.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -207,7 +208,8 @@ void test_the_context_update_stores_what_the_layer_stores() {
 void test_a_whole_forward_is_its_steps() {
   // host_qwen3_tokens against its steps taken one by one: gathered embedding and RoPE rows, the layers (capturing
   // layer 0), the final norm (copied into the features too) and the output head; bit for bit. A bad token id is
-  // refused by name before anything is written.
+  // refused by name before anything is written. Then host_qwen3_verify: the same from committed lengths, with the
+  // arg-max; a row past the cache refused with nothing written, a NaN logit reported.
   const HostQwen3Dims dm{32, 4, 2, 8, 48, 1e-6f};
   const std::int64_t layers = 2, batch = 2, t = 3, max_len = 16, hd = dm.hidden, vocab = 40, table = 20;
   std::vector<Layer> ls;
@@ -266,6 +268,36 @@ void test_a_whole_forward_is_its_steps() {
                                  capture.data(), hd, feats.data(), fw, logits.data()),
                std::invalid_argument, "positions[1, 2] = 20, expected 0..19");
   CHECK(max_abs_diff(k_before.data(), k1.data(), layers * layer_size) == 0.0f);
+
+  // host_qwen3_verify: the same forward at positions lengths[b] + j, and the arg-max of each row of its logits.
+  F k3(k1.size(), 0.0f), v3(k1.size(), 0.0f), feats3(rows * fw, 0.0f), logits3(rows * vocab);
+  std::vector<HostKVLayer> c3;
+  for (int i = 0; i < layers; ++i)
+    c3.push_back({k3.data() + i * layer_size, v3.data() + i * layer_size, row_stride, head_stride, max_len});
+  const std::vector<std::int64_t> lengths = {4, 1};
+  std::vector<std::int64_t> argmax(rows, -1);
+  CHECK(host_qwen3_verify(dm, ws.data(), c3.data(), layers, ends, tokens.data(), batch, t, lengths.data(),
+                          capture.data(), hd, feats3.data(), fw, logits3.data(), argmax.data()));
+  CHECK(max_abs_diff(logits.data(), logits3.data(), rows * vocab) == 0.0f);
+  CHECK(max_abs_diff(feats.data(), feats3.data(), rows * fw) == 0.0f);
+  CHECK(max_abs_diff(k2.data(), k3.data(), layers * layer_size) == 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* row = logits.data() + r * vocab;
+    CHECK(argmax[r] == std::max_element(row, row + vocab) - row);
+  }
+  const F k3_before = k3;
+  const std::vector<std::int64_t> past_the_cache = {4, 14};
+  CHECK_THROWS(host_qwen3_verify(dm, ws.data(), c3.data(), layers, ends, tokens.data(), batch, t,
+                                 past_the_cache.data(), capture.data(), hd, feats3.data(), fw, logits3.data(),
+                                 argmax.data()),
+               std::invalid_argument, "lengths[1] = 14 with t = 3, expected 0..13");
+  CHECK(max_abs_diff(k3_before.data(), k3.data(), layers * layer_size) == 0.0f);
+  F poisoned = embed;
+  poisoned[17 * hd] = std::nanf("");  // token 17's embedding: its row's logits turn NaN
+  const HostQwen3Ends poisoned_ends{poisoned.data(), vocab, cos_table.data(), sin_table.data(), table,
+                                    final_norm.data(), 1e-6f, {head.data(), DType::float32}, vocab};
+  CHECK(!host_qwen3_verify(dm, ws.data(), c3.data(), layers, poisoned_ends, tokens.data(), batch, t, lengths.data(),
+                           capture.data(), hd, feats3.data(), fw, logits3.data(), argmax.data()));
 }
 
 }  // namespace

@@ -17,7 +17,8 @@ import torch
 
 from dpara_rt import _core
 
-__all__ = ["HostMarkovHead", "MarkovBound", "argmax_finite", "gumbel_noise", "markov_bound", "markov_head_native", "verify_sample_native"]
+__all__ = ["HostMarkovHead", "MarkovBound", "all_finite", "argmax_finite", "argmax_if_finite", "gumbel_noise",
+           "markov_bound", "markov_head_native", "verify_sample_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -251,6 +252,21 @@ def argmax_finite(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[:-1], dtype=torch.long)
     finite = _core.argmax_finite_host(x.data_ptr(), out.numel(), x.shape[-1], out.view(-1).numpy())
     return out if finite else None
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether x holds no NaN or inf: its min and max in one pass (NaN propagates to both), an eighth of the
+    time of isfinite(x).all() on a round's logits."""
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+
+def argmax_if_finite(x: torch.Tensor) -> torch.Tensor | None:
+    """x.argmax(-1) on the host, or None when x holds a NaN or an infinity; host float32 logits in one native
+    pass (greedy verification reads the target's logits for nothing else)."""
+    if x.is_cpu and x.dtype == torch.float32 and x.is_contiguous():
+        return argmax_finite(x)
+    return x.argmax(-1).cpu() if all_finite(x) else None
 
 
 def verify_sample_native(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u_accept: torch.Tensor,

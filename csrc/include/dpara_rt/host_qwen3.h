@@ -86,6 +86,17 @@ void host_qwen3_tokens(const HostQwen3Dims& dims, const HostQwen3Weights* weight
                        std::int64_t batch, std::int64_t t, const std::int64_t* positions, const std::int64_t* capture,
                        std::int64_t last_capture, float* features, std::int64_t features_width, float* logits);
 
+// A round's verify from the rows' committed lengths, all in the core: host_qwen3_tokens over tokens [batch, t] at
+// positions lengths[b] + j (each row's next t slots, within the cache's max_len), then argmax_finite_host over the
+// logits into argmax_out [batch * t]. Returns whether every logit is finite (argmax_out unspecified if not). The
+// caller's interpreter work per round is then one call, where positions, the arg-max and the finiteness check
+// each cost it one more.
+bool host_qwen3_verify(const HostQwen3Dims& dims, const HostQwen3Weights* weights, const HostKVLayer* caches,
+                       std::int64_t n_layers, const HostQwen3Ends& ends, const std::int64_t* tokens,
+                       std::int64_t batch, std::int64_t t, const std::int64_t* lengths, const std::int64_t* capture,
+                       std::int64_t last_capture, float* features, std::int64_t features_width, float* logits,
+                       std::int64_t* argmax_out);
+
 // A drafter's backbone over blocks of rows that attend to an injected context and to each other through a
 // visibility mask (a DPara boundary's spine and branches, a DSpark block): layers as host_qwen3_layer, except that
 // the rows' K/V stay out of the cache. Row (b, j) attends to slots 0..ctx_lens[b]-1 of contexts[i] (layer i's

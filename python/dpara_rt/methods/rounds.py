@@ -28,7 +28,7 @@ from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
 from dpara_rt.models.target import Target
-from dpara_rt.native import HostMarkovHead, argmax_finite
+from dpara_rt.native import HostMarkovHead, all_finite
 from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
 from dpara_rt.sampling import make_generator, probs, sample, stop_at_non_finite, uniforms
 
@@ -82,21 +82,6 @@ class Outcome:
     def finished(self) -> bool:
         """Whether the method's chain ends at this round (every request finished, or a pause to admit)."""
         return self.pause or not bool(self.running.any())
-
-
-def all_finite(x: Tensor) -> bool:
-    """Whether x holds no NaN or inf: its min and max in one pass (NaN propagates to both), an eighth of the
-    time of isfinite(x).all() on a round's logits."""
-    lo, hi = torch.aminmax(x)
-    return math.isfinite(lo.item()) and math.isfinite(hi.item())
-
-
-def argmax_if_finite(x: Tensor) -> Tensor | None:
-    """x.argmax(-1) on the host, or None when x holds a NaN or an infinity; host float32 logits in one native
-    pass (greedy verification reads the target's logits for nothing else)."""
-    if x.is_cpu and x.dtype == torch.float32 and x.is_contiguous():
-        return argmax_finite(x)
-    return x.argmax(-1).cpu() if all_finite(x) else None
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
@@ -269,6 +254,17 @@ class Decoder:
         stage_in(self.staging, lane.core, region, tensor, phase)
         raw = self._staged[region, phase][:tensor.nbytes]
         return raw.view(tensor.dtype).view(tensor.shape)
+
+    def _features_in_place(self, shape: torch.Size, phase: int) -> Tensor | None:
+        """The features staging of `phase` as the [B, T, F] tensor a host verify writes into, once the region's last
+        reader let go of it (the copy _stage makes, saved); None where the features are staged by a copy (a device
+        target, no drafter)."""
+        if self.drafter is None or self.target_lane.device_index >= 0 or self.target.dtype != torch.float32:
+            return None
+        B, T = shape
+        F = self.target.feature_dim
+        self.target_lane.wait(self._released["features"][phase])
+        return self._staged["features", phase][:B * T * F * 4].view(torch.float32).view(B, T, F)
 
     def _release(self, lane: Lane, region: str, phase: int) -> None:
         self._released[region][phase] = lane.record()
@@ -501,16 +497,16 @@ class Decoder:
             block = torch.cat([draft.bonus[:, None], draft.staged.long()], dim=1)
             if draft.staged is not draft.tokens:
                 self._release(self.target_lane, "draft", phase)
-        logits, feats = self.target.verify(block)
-        greedy = draft.tokens is not None and not self.opts.sampling
-        argmax = argmax_if_finite(logits) if greedy else None
-        if argmax is None if greedy else not all_finite(logits):
+        staged = self._features_in_place(block.shape, phase)
+        logits, feats, argmax = self.target.verify_argmax(block, staged)
+        if argmax is None:
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
                                      "expected finite logits (a damaged model or an overflow in its dtype)")
-        if self.drafter is not None:
+        if self.drafter is not None and staged is None:
             feats = self._stage(self.target_lane, "features", feats, phase)
+        greedy = draft.tokens is not None and not self.opts.sampling
         if draft.tokens is None:  # AR: the bonus is the target's own token
-            tok = self.pick(logits[:, 0])
+            tok = self.pick(logits[:, 0]) if self.opts.sampling else argmax[:, 0]
             return Verified(block, feats, r=torch.zeros_like(tok), bonus=tok)
         if greedy:
             return Verified(block, feats, argmax=argmax)

@@ -66,6 +66,15 @@ class _PackedLayer:
         return all(a is b for a, b in zip(self.tensors, tensors)) and self.versions == _versions(tensors)
 
 
+class VerifyPlan:
+    """A decode's verify as one core call (``HostQwen3Verify.run``), with every buffer it points at held here: the
+    packed layers and the stack, the embedding, RoPE tables, final norm and output head, the KV cache."""
+
+    def __init__(self, core, keep: tuple, features_width: int, vocab: int):
+        self.core, self._keep = core, keep
+        self.features_width, self.vocab = features_width, vocab
+
+
 class HostQwen3:
     """The native layers of one ``Qwen3ForCausalLM``, packed on first use. Copies and pickles of the model
     start without them (the core objects hold raw pointers) and pack again when first used."""
@@ -125,6 +134,18 @@ class HostQwen3:
                              norm.data_ptr(), eps, packed.data_ptr(), dtype, logits.shape[-1], tokens.data_ptr(), B, T,
                              positions.data_ptr(), last_capture, 0 if features is None else features.data_ptr(),
                              0 if features is None else features.shape[-1], logits.data_ptr())
+
+    def verify_plan(self, layers, cfg, ends: tuple, cache, capture: dict[int, int], last_capture: int,
+                    features_width: int, head_vocab: int) -> "VerifyPlan":
+        """A decode's verify bound once (``host_qwen3_verify``): ends and capture as run_tokens's, the positions read
+        from cache.lengths at each run. Trusts the layers as the last check found them (recheck=False): the caller
+        builds it right after a forward that checked them."""
+        embed, cos, sin, norm, eps, (packed, dtype) = ends
+        stack = self._stack_for(layers, cache, [capture.get(i, -1) for i in range(len(layers))], recheck=False)
+        core = stack.verify_plan(*_dims(cfg), embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(),
+                                 len(cos), norm.data_ptr(), eps, packed.data_ptr(), dtype, head_vocab, last_capture,
+                                 features_width, cache.lengths.data_ptr())
+        return VerifyPlan(core, (self._stack, ends, cache), features_width, head_vocab)
 
     def run_block(self, layers, cfg, final_norm: Tensor, h: Tensor, ctx_lens: Tensor, visible: Tensor, cos: Tensor,
                   sin: Tensor, cache, keep_from: int) -> Tensor:

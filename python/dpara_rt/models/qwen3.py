@@ -361,28 +361,51 @@ class Qwen3ForCausalLM(nn.Module):
             h = h[torch.arange(B, device=h.device), logits_index.to(h.device)].unsqueeze(1)
         return self.lm_head(h).float(), features
 
+    def _native_ends(self, cache: KVCache, rope_len: int) -> tuple | None:
+        """HostQwen3.run_tokens's ends (embedding, RoPE tables with rows for positions below rope_len, final norm and
+        eps, packed output head); None where the whole native forward does not apply."""
+        emb, norm, head = self.embed_tokens.weight, self.norm.weight, self.lm_head
+        if not (host_qwen3.usable(self, emb, cache) and isinstance(head, HostLinear) and head._native(emb)
+                and emb.is_contiguous() and norm.dtype == torch.float32 and norm.is_contiguous()):
+            return None
+        if self._host is None:
+            self._host = host_qwen3.HostQwen3()
+        cos, sin = self._rope.table(rope_len - 1, self.inv_freq, torch.float32)
+        return emb, cos, sin, norm, self.norm.eps, head.packed()
+
     def _host_forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache, layer_ids: Sequence[int],
                       kv_len: int, recheck: bool) -> tuple[Tensor, Tensor | None] | None:
         """The whole forward in one core call (HostQwen3.run_tokens: embedding, RoPE rows, layers, final norm, output
         head), with the bits of the steps taken one by one; None where it does not apply (then forward takes them)."""
-        emb, norm, head = self.embed_tokens.weight, self.norm.weight, self.lm_head
-        if not (host_qwen3.usable(self, emb, cache) and isinstance(head, HostLinear) and head._native(emb)
-                and emb.is_contiguous() and norm.dtype == torch.float32 and norm.is_contiguous()
-                and input_ids.device.type == "cpu" and positions.dtype == torch.long):
+        if input_ids.device.type != "cpu" or positions.dtype != torch.long:
             return None
-        if self._host is None:
-            self._host = host_qwen3.HostQwen3()
+        ends = self._native_ends(cache, kv_len)
+        if ends is None:
+            return None
         B, T = input_ids.shape
         H, last = self.config.hidden_size, len(self.layers) - 1
-        cos, sin = self._rope.table(kv_len - 1, self.inv_freq, torch.float32)
         features, capture = _feature_columns(layer_ids, B * T, H, torch.float32)
-        logits = torch.empty(B, T, head.weight.shape[0])
-        self._host.run_tokens(self.layers, self.config, (emb, cos, sin, norm, self.norm.eps, head.packed()),
-                              input_ids.contiguous(), positions.contiguous(), cache,
+        logits = torch.empty(B, T, self.lm_head.weight.shape[0])
+        self._host.run_tokens(self.layers, self.config, ends, input_ids.contiguous(), positions.contiguous(), cache,
                               {i: col for i, col in capture.items() if i != last}, capture.get(last, -1), features,
                               logits, recheck)
         _copy_repeated_layers(features, layer_ids, capture, H)
         return logits, (features.view(B, T, -1) if features is not None else None)
+
+    def verify_plan(self, cache: KVCache, layer_ids: Sequence[int]) -> host_qwen3.VerifyPlan | None:
+        """The verifies of a decode over `cache` as one core call each (Target.verify_argmax), bound once right after
+        the forward that checked the layers (its prefill); None where the native forward does not apply, or where a
+        layer is listed twice (its copy is the Python path's)."""
+        if len(set(layer_ids)) != len(layer_ids):
+            return None
+        ends = self._native_ends(cache, cache.max_len)
+        if ends is None:
+            return None
+        H, last = self.config.hidden_size, len(self.layers) - 1
+        _, capture = _feature_columns(layer_ids, 0, H, torch.float32)
+        return self._host.verify_plan(self.layers, self.config, ends, cache,
+                                      {i: col for i, col in capture.items() if i != last}, capture.get(last, -1),
+                                      len(layer_ids) * H, self.lm_head.weight.shape[0])
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
                      layer_ids: Sequence[int], recheck: bool = True) -> tuple[Tensor, Tensor | None]:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dpara_rt.models.kv_cache import KVCache
+from dpara_rt.native import argmax_if_finite
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -67,6 +68,16 @@ class TargetBase:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {V})")
         return [len(p) for p in prompts]
 
+    def verify_argmax(self, tokens: Tensor, features_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """verify(tokens) and the arg-max of every position's logits: (logits [B, T, V], features [B, T, F], argmax
+        [B, T] long on the host, or None when a logit is NaN or infinite). features_out (contiguous [B, T, F] of the
+        features' dtype, host memory; optional): where the features go (a staging region), then returned as them."""
+        logits, feats = self.verify(tokens)
+        if features_out is not None:
+            features_out.copy_(feats)
+            feats = features_out
+        return logits, feats, argmax_if_finite(logits)
+
     def _check_verify(self, tokens, lengths: Tensor) -> Tensor:
         """Checked verify tokens [batch, T] (long); `lengths` are the rows' committed lengths."""
         if self.batch == 0:
@@ -119,6 +130,7 @@ class Target(TargetBase):
         self.cache = KVCache.for_model(model.config, max_batch, max_len, model.dtype, model.device)
         self.batch = 0          # rows in use since the last start()
         self._last_t = 0        # T of the last verify: the most a commit may keep
+        self._plan = None       # this decode's verify as one core call (verify_argmax), bound by start()
 
     @property
     def max_len(self) -> int:
@@ -132,7 +144,7 @@ class Target(TargetBase):
         """Grow the KV cache to hold `max_len` tokens per row (no-op when it already does)."""
         if max_len > self.cache.max_len:
             self.cache = KVCache.for_model(self.config, self.max_batch, max_len, self.model.dtype, self.device)
-            self.batch, self._last_t = 0, 0
+            self.batch, self._last_t, self._plan = 0, 0, None
 
     @property
     def lengths(self) -> Tensor:
@@ -156,6 +168,8 @@ class Target(TargetBase):
         self.batch, self._last_t = B, 0
         self.cache.reset()
         self.cache.lengths[:B] = prompt_lens
+        # bound after the prefill's forward, which checked the layers against their packed copies
+        self._plan = self.model.verify_plan(self.cache, self.layer_ids)
         valid = (positions < prompt_lens[:, None]).to(dev)
         feats = self._features(feats, B, Tmax) * valid[..., None]
         return logits[:, 0], feats, prompt_lens
@@ -176,6 +190,7 @@ class Target(TargetBase):
         logits, feats = self.model(ids, torch.arange(T, device=dev)[None], self.cache.rows(b, b + 1), self.layer_ids,
                                    kv_len=T, logits_index=torch.tensor([T - 1], device=dev))
         self.cache.lengths[b] = T
+        self._plan = self.model.verify_plan(self.cache, self.layer_ids)  # the layers as this forward checked them
         return logits[0, 0], self._features(feats, 1, T)[0]
 
     @torch.no_grad()
@@ -192,6 +207,29 @@ class Target(TargetBase):
                                    kv_len=int(lengths.max()) + T, recheck=False)
         self._last_t = T
         return logits, self._features(feats, B, T)
+
+    def verify_argmax(self, tokens: Tensor, features_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """TargetBase.verify_argmax; with the decode's verify plan, one core call from token ids to the logits, the
+        features (straight into features_out) and the arg-max, the positions taken from the committed lengths."""
+        plan = self._plan
+        if plan is None or not (isinstance(tokens, Tensor) and tokens.dtype == torch.long and tokens.dim() == 2
+                                and tokens.is_contiguous() and tokens.device.type == "cpu"):
+            return super().verify_argmax(tokens, features_out)
+        B, T = tokens.shape
+        if B != self.batch:
+            raise ValueError(f"verify tokens shape {tuple(tokens.shape)}; expected [{self.batch}, T >= 1]")
+        F = plan.features_width
+        if features_out is None:
+            features_out = torch.empty(B, T, F) if F else self._no_features(B, T)
+        elif tuple(features_out.shape) != (B, T, F) or features_out.dtype != torch.float32 \
+                or not features_out.is_contiguous():
+            raise ValueError(f"features_out {tuple(features_out.shape)} {features_out.dtype}; expected a contiguous "
+                             f"float32 [{B}, {T}, {F}]")
+        logits, argmax = torch.empty(B, T, plan.vocab), torch.empty(B, T, dtype=torch.long)
+        finite = plan.core.run(tokens.data_ptr(), B, T, features_out.data_ptr() if F else 0, logits.data_ptr(),
+                               argmax.data_ptr())
+        self._last_t = T
+        return logits, features_out, (argmax if finite else None)
 
     def commit(self, n: Tensor):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
