@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -132,14 +133,17 @@ def test_bad_verify_and_commit(tiny_target):
     target.start([list(range(3, 13)), [4]])
     with pytest.raises(ValueError, match=r"row 0: length 10 \+ 7 verify tokens exceeds max_len 16"):
         target.verify(torch.zeros(2, 7, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"shape \(3, 2\); expected \[2, T >= 1\]"):
-        target.verify(torch.zeros(3, 2, dtype=torch.long))
+    for verify in (target.verify, target.verify_argmax):  # the verify plan's path refuses the same
+        with pytest.raises(ValueError, match=r"shape \(3, 2\); expected \[2, T >= 1\]"):
+            verify(torch.zeros(3, 2, dtype=torch.long))
     target.verify(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"commit counts \[4, 1\]: rows \[0\] outside \[0, 3\]"):
         target.commit(torch.tensor([4, 1]))
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         target.commit(torch.tensor([1, -1]))
-    target.commit(torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match=r"commit counts shape \(1,\); expected \(2,\)"):
+        target.commit(np.array([1]))
+    target.commit(np.array([3, 3]))
     with pytest.raises(ValueError, match=r"outside \[0, 0\]"):  # nothing left to commit until the next verify
         target.commit(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match=r"layer_ids \[4\] contain \[4\]"):

@@ -540,7 +540,7 @@ class Decoder:
             verified.block.numpy(), verified.argmax.numpy() if greedy else None,
             None if greedy else verified.r.numpy(), None if greedy else verified.bonus.numpy(), slot, self.metrics)
         r_t, keep_t = torch.from_numpy(r), torch.from_numpy(keep)
-        self.target.commit(keep_t)
+        self.target.commit(keep)
         # Finished requests keep their last bonus as s_0: their rows still run through the batched forwards.
         bonus_t = torch.from_numpy(bonus)
         rnd = self.state.rounds()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -247,11 +248,11 @@ class HFTarget(TargetBase):
         feats = torch.stack(feats) if self.layer_ids else self._no_features(B, T)
         return torch.stack(logits), feats
 
-    def commit(self, n: Tensor):
+    def commit(self, n: Tensor | np.ndarray):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
         n = self._check_commit(n)
         self._rollback(n)
-        self._lengths[: self.batch] += n
+        self._lengths[: self.batch] += torch.from_numpy(n)
         self._last_t = 0
 
     def _rollback(self, keep: Tensor) -> None:

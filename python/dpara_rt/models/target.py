@@ -93,17 +93,18 @@ class TargetBase:
             raise ValueError(f"row {r}: length {int(lengths[r])} + {T} verify tokens exceeds max_len {self.max_len}")
         return tokens
 
-    def _check_commit(self, n) -> Tensor:
-        """Checked commit counts [batch] (long, on the host)."""
-        n = torch.as_tensor(n, dtype=torch.long).cpu()
-        if n.shape != (self.batch,):
-            raise ValueError(f"commit counts shape {tuple(n.shape)}; expected [{self.batch}]")
-        a = n.numpy()  # numpy: these checks run every round, and torch's small-tensor ops cost tens of us
+    def _check_commit(self, n) -> np.ndarray:
+        """Checked commit counts [batch] (int64 numpy). numpy: these checks run every round, right after a verify
+        evicted the caches, where each small torch op costs tens of us."""
+        a = n if isinstance(n, np.ndarray) and n.dtype == np.int64 else \
+            torch.as_tensor(n, dtype=torch.long).cpu().numpy()
+        if a.shape != (self.batch,):
+            raise ValueError(f"commit counts shape {a.shape}; expected ({self.batch},)")
         if a.size and (a.min() < 0 or a.max() > self._last_t):
             bad = np.flatnonzero((a < 0) | (a > self._last_t)).tolist()
-            raise ValueError(f"commit counts {n.tolist()}: rows {bad} outside [0, {self._last_t}] "
+            raise ValueError(f"commit counts {a.tolist()}: rows {bad} outside [0, {self._last_t}] "
                              "(the T of the last verify not yet committed)")
-        return n
+        return a
 
     def _check_row(self, b: int, prompt: list[int]) -> None:
         """prefill_row's arguments: a row in use and one prompt that fits."""
@@ -231,10 +232,10 @@ class Target(TargetBase):
         self._last_t = T
         return logits, features_out, (argmax if finite else None)
 
-    def commit(self, n: Tensor):
+    def commit(self, n: Tensor | np.ndarray):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
         n = self._check_commit(n)
-        self.cache.lengths[: self.batch] += n
+        self.cache.lengths.numpy()[: self.batch] += n
         self._last_t = 0
 
     def _features(self, feats: Tensor | None, B: int, T: int) -> Tensor:
