@@ -70,6 +70,27 @@ def test_a_round_verifies_in_one_core_call_straight_into_the_staging(pair, name,
     assert name != "dspark" or {"draft", "rb"} <= set(copies)  # its other staging copies do go through copy_in
 
 
+def test_generate_takes_the_rounds_at_the_end_and_a_stream_each_round(pair, monkeypatch):
+    """generate() wants the tokens only at the end: the lanes hand them over once, never waking the caller's
+    thread mid-decode; stream() gets them round by round. The tokens are the same."""
+    from dpara_rt.chain import Chain
+    handed = []
+    flush = Chain.flush
+    monkeypatch.setattr(Chain, "flush", lambda self: handed.append(len(self._held)) or flush(self))
+    target, drafter = pair
+    prompts = prompts_for(2, seed=5)
+    eng = Engine(target, drafter, method="dspark", max_len=512)
+    out = eng.generate(prompts, max_new_tokens=24)
+    assert [n for n in handed if n] == [out.stats.rounds]  # every round's tokens, in one hand-over
+    handed.clear()
+    streamed = [[] for _ in prompts]
+    for new in eng.stream(prompts, max_new_tokens=24):
+        for row, t in zip(streamed, new):
+            row.extend(t)
+    assert streamed == out.tokens
+    assert len([n for n in handed if n]) > 1
+
+
 def test_acceptance_is_ragged_and_nontrivial(pair):
     """The pair exercises every path: some rounds accept nothing, some accept many."""
     target, drafter = pair
@@ -235,9 +256,9 @@ def test_auto_times_its_candidates_over_its_own_budget_whatever_the_first_call_a
     budgets = []
     decode = eng._decode
 
-    def recording(ticket, method, opts, prompts, trace, admission=None):
+    def recording(ticket, method, opts, prompts, trace, admission=None, stream=True):
         budgets.append(opts.max_new_tokens)
-        return decode(ticket, method, opts, prompts, trace, admission)
+        return decode(ticket, method, opts, prompts, trace, admission, stream)
     eng._decode = recording
     prompts = prompts_for(1, seed=8)
     out = eng.generate(prompts, 3)
@@ -253,7 +274,7 @@ def test_auto_keeps_the_candidate_with_the_least_time_per_committed_token(pair, 
     eng = Engine(target, drafter, method="auto", d=5)
     turns = dict.fromkeys(AUTO_CANDIDATES, 0)
 
-    def measured(ticket, method, opts, prompts, trace, admission=None):
+    def measured(ticket, method, opts, prompts, trace, admission=None, stream=True):
         name = eng._variant(method, opts)
         turns[name] += 1
         # Speculative candidates: 5 ms a round at tau 2.5 (2 ms a token); AR: 1.9 ms a token, slower

@@ -31,6 +31,9 @@ class Chain:
         self._stopped = False
         self._deferred = threading.local()     # links queued by a running link, submitted once its span closed
         self._held: list = []                  # emitted with hold=True, not yet handed to the consumer
+        # whether the consumer takes the rounds' items as they come (a stream) or all at the end (generate): waking
+        # it every round costs the lanes interpreter time
+        self.stream = True
         self._held_lock = threading.Lock()     # a failing link of either lane flushes them
 
     def timed(self, phase: str, lane: Lane, fn: Callable[[], object]) -> Callable[[], object]:
@@ -98,15 +101,21 @@ class Chain:
             self._deferred.next = []
 
     def emit(self, item, hold: bool = False) -> None:
-        """Hand `item` to the consumer; with hold=True at the next flush() (or the chain's end or error). Waking
+        """Hand `item` to the consumer; with hold=True at the next hand_over() (or the chain's end or error). Waking
         the consumer's thread costs the waking link interpreter time: a link on the critical path holds its
         items, and the next link that spends most of its time in native ops (verification) flushes them."""
         with self._held_lock:
-            if hold:
+            if hold or not self.stream:
                 self._held.append(item)
                 return
         self.flush()
         self._results.put(item)
+
+    def hand_over(self) -> None:
+        """Where a link hands the held items to a streaming consumer (a verify, which spends most of its time in
+        native ops); a consumer that is not streaming gets them at the chain's end or error."""
+        if self.stream:
+            self.flush()
 
     def flush(self) -> None:
         """Hand the held items to the consumer, in order."""

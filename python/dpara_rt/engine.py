@@ -166,13 +166,15 @@ class Engine:
         prompts = self._prompts(prompts)
         ticket = self._claim()
         try:
-            yield from ticket.run(self._decode_prompts(ticket, prompts, opts, trace), hold)
+            # a held call (generate) takes the rounds' tokens at the end: the lanes need not wake it every round
+            yield from ticket.run(self._decode_prompts(ticket, prompts, opts, trace, stream=not hold), hold)
         finally:
             with self._lock:
                 if self._open is ticket:
                     self._open = None
 
-    def _decode_prompts(self, ticket: "_Ticket", prompts: list[list[int]], opts: DecodeOptions, trace: bool):
+    def _decode_prompts(self, ticket: "_Ticket", prompts: list[list[int]], opts: DecodeOptions, trace: bool,
+                        stream: bool = True):
         self._reserve(prompts, opts)
         self.target.check_prompts(prompts)
         if self.method == AUTO:
@@ -180,7 +182,7 @@ class Engine:
             method, opts = _with_variant(choice, opts)
         else:
             method = self.method
-        yield from self._decode(ticket, method, opts, prompts, trace)
+        yield from self._decode(ticket, method, opts, prompts, trace, stream=stream)
         if self.method == AUTO:
             self.last_stats.method = f"{self.name}({choice})"
 
@@ -219,7 +221,7 @@ class Engine:
             cost = dict.fromkeys(AUTO_CANDIDATES, float("inf"))
             for _ in range(AUTO_TURNS):
                 for name in AUTO_CANDIDATES:
-                    for _ in self._decode(ticket, *_with_variant(name, short), prompts, False):
+                    for _ in self._decode(ticket, *_with_variant(name, short), prompts, False, stream=False):
                         pass
                     st = self.last_stats
                     per_token = (st.verify_ms + st.exposed_draft_ms) / st.tau if st.tau else float("inf")
@@ -228,13 +230,15 @@ class Engine:
         return self.auto_choices[B]
 
     def _decode(self, ticket: "_Ticket", method: str, opts: DecodeOptions, prompts: list[list[int]], trace: bool,
-                admission=None):
+                admission=None, stream: bool = True):
+        """Run one decode, yielding each round's commits (all at its end when not `stream`)."""
         spec = METHODS[method]
         worker = self._worker_for(spec)  # started once per engine: not this decode's wall
         t0 = time.perf_counter()  # the decoder's setup (buffers, the worker's cache) is part of the decode's wall
         dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter,
                                        markov=spec.markov, admission=admission, worker=worker,
                                        kept=self._kept_buffers)
+        dec.chain.stream = stream
         new_tokens = 0
         for new in dec.run(spec.run):
             new_tokens += sum(map(len, new))

@@ -489,7 +489,7 @@ class Decoder:
     def verify(self, draft: Draft) -> Verified:
         """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
         draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
-        self.chain.flush()  # the last round's tokens: the consumer takes them while the target computes
+        self.chain.hand_over()  # the last round's tokens: the consumer takes them while the target computes
         phase = draft.round % 2
         if draft.tokens is None:
             block = draft.bonus[:, None]
