@@ -78,10 +78,10 @@ class Outcome:
     def phase(self) -> int:
         return self.round % 2
 
-    @property
+    @functools.cached_property  # asked by several links of a round; running is a host tensor
     def finished(self) -> bool:
         """Whether the method's chain ends at this round (every request finished, or a pause to admit)."""
-        return self.pause or not bool(self.running.any())
+        return self.pause or not self.running.numpy().any()
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
