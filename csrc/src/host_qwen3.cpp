@@ -9,22 +9,11 @@
 
 #include "dpara_rt/host_linear.h"
 #include "dpara_rt/verify.h"
-#include "markov_head_math.h"  // exp_nonpositive, DPARA_RT_HOT / DPARA_RT_INLINE
+#include "markov_head_math.h"  // F8, exp_nonpositive(8), DPARA_RT_HOT / DPARA_RT_INLINE
 #include "util.h"
-
-#pragma GCC diagnostic ignored "-Wpsabi"  // F8 only crosses always_inline helpers
 
 namespace dpara_rt {
 namespace {
-
-typedef float F8 __attribute__((vector_size(32)));
-
-DPARA_RT_INLINE F8 load8(const float* p) {
-  F8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-DPARA_RT_INLINE void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
 
 // Sum of a[i] * b[i] in a fixed order: eight lanes, a fixed tree, then the tail.
 DPARA_RT_INLINE float dot(const float* a, const float* b, std::int64_t n) {
@@ -83,28 +72,37 @@ DPARA_RT_HOT void qk_rope_store(const HostQwen3Dims& dm, const HostQwen3Weights&
 
 DPARA_RT_INLINE float lane_sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-// scores[s] = q . k_s * scale for s < keys. Four keys at a time: independent FMA chains, each key's sum the same
-// as dot()'s, so a score does not depend on its neighbours.
+// (x0 + x4, x1 + x5, x2 + x6, x3 + x7, y0 + y4, y1 + y5, y2 + y6, y3 + y7)
+DPARA_RT_INLINE F8 half_sums(F8 x, F8 y) {
+  return __builtin_shuffle(x, y, I8{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(x, y, I8{4, 5, 6, 7, 12, 13, 14, 15});
+}
+// (x0 + x1, x2 + x3, x4 + x5, x6 + x7, y0 + y1, y2 + y3, y4 + y5, y6 + y7)
+DPARA_RT_INLINE F8 pair_sums(F8 x, F8 y) {
+  return __builtin_shuffle(x, y, I8{0, 2, 4, 6, 8, 10, 12, 14}) + __builtin_shuffle(x, y, I8{1, 3, 5, 7, 9, 11, 13, 15});
+}
+
+// The scores q . k_j of eight keys k[j * d ..] (d % 8 == 0) in one vector: each key's sum as dot()'s (its lanes over
+// the chunks in order, then lane_sum's tree ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7))), the eight trees walked
+// together by lane shuffles instead of one horizontal sum per key. Same bits as dot(), per key.
+DPARA_RT_INLINE F8 scores8(const float* q, const float* k, std::int64_t d) {
+  F8 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = F8{0, 0, 0, 0, 0, 0, 0, 0};
+  for (std::int64_t i = 0; i < d; i += 8) {
+    const F8 qv = load8(q + i);
+    for (int j = 0; j < 8; ++j) a[j] += qv * load8(k + j * d + i);
+  }
+  const F8 first = pair_sums(half_sums(a[0], a[1]), half_sums(a[2], a[3]));  // per key: (0+4)+(1+5), (2+6)+(3+7)
+  const F8 second = pair_sums(half_sums(a[4], a[5]), half_sums(a[6], a[7]));
+  return pair_sums(first, second);
+}
+
+// scores[s] = q . k_s * scale for s < keys, each key's sum the same as dot()'s, so a score does not depend on its
+// neighbours.
 DPARA_RT_INLINE void attention_scores(const float* q, const float* k, std::int64_t keys, std::int64_t d,
                                       float scale, float* scores) {
   std::int64_t s = 0;
-  if (d % 8 == 0) {
-    for (; s + 4 <= keys; s += 4) {
-      const float* k0 = k + s * d;
-      F8 a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
-      for (std::int64_t i = 0; i < d; i += 8) {
-        const F8 qv = load8(q + i);
-        a0 += qv * load8(k0 + i);
-        a1 += qv * load8(k0 + d + i);
-        a2 += qv * load8(k0 + 2 * d + i);
-        a3 += qv * load8(k0 + 3 * d + i);
-      }
-      scores[s] = lane_sum(a0) * scale;
-      scores[s + 1] = lane_sum(a1) * scale;
-      scores[s + 2] = lane_sum(a2) * scale;
-      scores[s + 3] = lane_sum(a3) * scale;
-    }
-  }
+  if (d % 8 == 0)
+    for (; s + 8 <= keys; s += 8) store8(scores + s, scores8(q, k + s * d, d) * scale);
   for (; s < keys; ++s) scores[s] = dot(q, k + s * d, d) * scale;
 }
 
@@ -119,7 +117,8 @@ DPARA_RT_INLINE float softmax_unnormalised(float* scores, std::int64_t keys) {
   float top = std::max(std::max(std::max(top8[0], top8[1]), std::max(top8[2], top8[3])),
                        std::max(std::max(top8[4], top8[5]), std::max(top8[6], top8[7])));
   for (; s < keys; ++s) top = std::max(top, scores[s]);
-  for (s = 0; s < keys; ++s) scores[s] = exp_nonpositive(scores[s] - top);
+  for (s = 0; s + 8 <= keys; s += 8) store8(scores + s, exp_nonpositive8(load8(scores + s) - top));
+  for (; s < keys; ++s) scores[s] = exp_nonpositive(scores[s] - top);
   F8 sum8 = {0, 0, 0, 0, 0, 0, 0, 0};
   for (s = 0; s + 8 <= keys; s += 8) sum8 += load8(scores + s);
   float total = lane_sum(sum8);
@@ -127,22 +126,47 @@ DPARA_RT_INLINE float softmax_unnormalised(float* scores, std::int64_t keys) {
   return total;
 }
 
-// o[0..d) = sum_s p[s] v_s / total, 64 outputs at a time held in registers across the keys.
+// acc[0..8C) += sum_{s0 <= s < s1} p[s] v_s[0..8C) in key order. C is a constant, so the sums stay in registers
+// across the keys.
+template <int C>
+DPARA_RT_INLINE void values_chunks(const float* p, const float* v, std::int64_t s0, std::int64_t s1, std::int64_t d,
+                                   float* acc) {
+  F8 a[C];
+  for (int c = 0; c < C; ++c) a[c] = load8(acc + 8 * c);
+  for (std::int64_t s = s0; s < s1; ++s) {
+    const float* vs = v + s * d;
+    for (int c = 0; c < C; ++c) a[c] += p[s] * load8(vs + 8 * c);
+  }
+  for (int c = 0; c < C; ++c) store8(acc + 8 * c, a[c]);
+}
+
+// acc[0..d) += sum_{s0 <= s < s1} p[s] v_s (d % 8 == 0), each output's sum in key order.
+DPARA_RT_INLINE void values_add(const float* p, const float* v, std::int64_t s0, std::int64_t s1, std::int64_t d,
+                                float* acc) {
+  for (std::int64_t i0 = 0; i0 < d; i0 += 64) {  // direct calls: inlined into the caller's clone
+    const float* vi = v + i0;
+    float* ai = acc + i0;
+    switch (std::min<std::int64_t>(64, d - i0) / 8) {
+      case 8: values_chunks<8>(p, vi, s0, s1, d, ai); break;
+      case 7: values_chunks<7>(p, vi, s0, s1, d, ai); break;
+      case 6: values_chunks<6>(p, vi, s0, s1, d, ai); break;
+      case 5: values_chunks<5>(p, vi, s0, s1, d, ai); break;
+      case 4: values_chunks<4>(p, vi, s0, s1, d, ai); break;
+      case 3: values_chunks<3>(p, vi, s0, s1, d, ai); break;
+      case 2: values_chunks<2>(p, vi, s0, s1, d, ai); break;
+      default: values_chunks<1>(p, vi, s0, s1, d, ai); break;
+    }
+  }
+}
+
+// o[0..d) = sum_s p[s] v_s / total.
 DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64_t keys, std::int64_t d,
                                       float total, float* o) {
   const float inv = 1.0f / total;
-  std::int64_t i0 = 0;
   if (d % 8 == 0) {
-    for (; i0 < d; i0 += 64) {
-      const int chunks = static_cast<int>(std::min<std::int64_t>(64, d - i0) / 8);
-      F8 acc[8];
-      for (int c = 0; c < 8; ++c) acc[c] = F8{0, 0, 0, 0, 0, 0, 0, 0};
-      for (std::int64_t s = 0; s < keys; ++s) {
-        const float* vs = v + s * d + i0;
-        for (int c = 0; c < chunks; ++c) acc[c] += p[s] * load8(vs + 8 * c);
-      }
-      for (int c = 0; c < chunks; ++c) store8(o + i0 + 8 * c, acc[c] * inv);
-    }
+    std::fill_n(o, d, 0.0f);
+    values_add(p, v, 0, keys, d, o);
+    for (std::int64_t i = 0; i < d; i += 8) store8(o + i, load8(o + i) * inv);
     return;
   }
   for (std::int64_t i = 0; i < d; ++i) {
@@ -152,20 +176,56 @@ DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64
   }
 }
 
-// out [rows, heads d]: token (b, j), head hh attends to slots 0..positions[b, j] of its KV head.
+// out [rows, heads d]: token (b, j), head hh attends to slots 0..positions[b, j] of its KV head. The queries that
+// share a KV head (a row's tokens times the heads of its group) go through its keys and values together, a block at
+// a time, so each block is read from memory once and from L1 by the others; every query's values are still the
+// sums of one query alone (per key the same score, per output the same order).
 DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
                             const std::int64_t* positions, const HostKVLayer& cache, float* out) {
   const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  std::vector<float> scores(static_cast<std::size_t>(cache.max_len));
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t j = 0; j < t; ++j) {
-      const std::int64_t row = b * t + j, keys = positions[row] + 1;
+  if (d % 8 != 0) {  // one query at a time
+    std::vector<float> scores(static_cast<std::size_t>(cache.max_len));
+    for (std::int64_t row = 0; row < batch * t; ++row)
       for (std::int64_t hh = 0; hh < dm.heads; ++hh) {
-        const std::int64_t base = b * cache.row_stride + (hh / group) * cache.head_stride;
+        const std::int64_t base = (row / t) * cache.row_stride + (hh / group) * cache.head_stride;
+        const std::int64_t keys = positions[row] + 1;
         attention_scores(qkv + row * width + hh * d, cache.k + base, keys, d, scale, scores.data());
         const float total = softmax_unnormalised(scores.data(), keys);
         attention_values(scores.data(), cache.v + base, keys, d, total, out + row * dm.heads * d + hh * d);
+      }
+    return;
+  }
+  constexpr std::int64_t kValueBlock = 32;  // keys whose values (8 KiB at d = 64) stay in L1 across the queries
+  const std::int64_t nq = t * group;
+  std::vector<float> scores(static_cast<std::size_t>(nq * cache.max_len)), acc(static_cast<std::size_t>(nq * d));
+  std::vector<float> totals(static_cast<std::size_t>(nq));
+  std::vector<std::int64_t> keys(static_cast<std::size_t>(nq));
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t g = 0; g < dm.kv_heads; ++g) {
+      const std::int64_t base = b * cache.row_stride + g * cache.head_stride;
+      const float *k = cache.k + base, *v = cache.v + base;
+      const auto query = [&](std::int64_t i) { return qkv + (b * t + i / group) * width + (g * group + i % group) * d; };
+      std::int64_t most = 0;
+      for (std::int64_t i = 0; i < nq; ++i) most = std::max(most, keys[i] = positions[b * t + i / group] + 1);
+      for (std::int64_t s0 = 0; s0 < most; s0 += 8)
+        for (std::int64_t i = 0; i < nq; ++i) {
+          float* sc = scores.data() + i * cache.max_len;
+          if (s0 + 8 <= keys[i]) store8(sc + s0, scores8(query(i), k + s0 * d, d) * scale);
+          else
+            for (std::int64_t s = s0; s < keys[i]; ++s) sc[s] = dot(query(i), k + s * d, d) * scale;
+        }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (std::int64_t i = 0; i < nq; ++i) totals[i] = softmax_unnormalised(scores.data() + i * cache.max_len, keys[i]);
+      for (std::int64_t s0 = 0; s0 < most; s0 += kValueBlock)
+        for (std::int64_t i = 0; i < nq; ++i)
+          if (s0 < keys[i])
+            values_add(scores.data() + i * cache.max_len, v, s0, std::min(keys[i], s0 + kValueBlock), d,
+                       acc.data() + i * d);
+      for (std::int64_t i = 0; i < nq; ++i) {
+        const float inv = 1.0f / totals[i];
+        float* o = out + (b * t + i / group) * dm.heads * d + (g * group + i % group) * d;
+        for (std::int64_t c = 0; c < d; c += 8) store8(o + c, load8(acc.data() + i * d + c) * inv);
       }
     }
 }
@@ -213,7 +273,13 @@ DPARA_RT_HOT void silu_mul(const float* gu, std::int64_t rows, std::int64_t n, f
     const float* g = gu + r * 2 * n;
     const float* u = g + n;
     float* a = act + r * n;
-    for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {  // the tail's arithmetic on eight lanes
+      const F8 x = load8(g + i), e = exp_nonpositive8(x >= 0 ? -x : x);
+      const F8 sigmoid = x >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
+      store8(a + i, x * sigmoid * load8(u + i));
+    }
+    for (; i < n; ++i) {
       const float x = g[i], e = exp_nonpositive(-std::fabs(x));  // exp(-|x|): no overflow either way
       const float sigmoid = x >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
       a[i] = x * sigmoid * u[i];

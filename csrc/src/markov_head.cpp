@@ -24,19 +24,7 @@ constexpr std::int64_t kCounters = std::int64_t(1) << 32;  // Philox counters ar
 
 // -------------------------------------------------------------------------------------- one step
 
-// 8-float GCC vectors: ymm registers in the AVX2 clone, pairs of xmm in the baseline one. Every function
-// taking or returning them is inlined, so the vector ABI difference GCC warns about never applies.
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float F8 __attribute__((vector_size(32)));
-typedef std::int32_t I8 __attribute__((vector_size(32)));
 constexpr I8 kZeroI8 = {0, 0, 0, 0, 0, 0, 0, 0};
-
-DPARA_RT_INLINE F8 load8(const float* p) {
-  F8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-DPARA_RT_INLINE void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
 
 // Arg-max over a stream of values in increasing index order: each of 8 lanes keeps its first maximum
 // (strict >), and the merge breaks ties by the lowest index, as torch.argmax does. NaN is never picked.
@@ -344,7 +332,9 @@ DPARA_RT_HOT void softmax_row(float* q, std::int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
   for (; i < n; ++i) m = std::max(m, q[i]);
-  for (std::int64_t v = 0; v < n; ++v) q[v] = exp_nonpositive(q[v] - m);
+  std::int64_t v = 0;
+  for (; v + 8 <= n; v += 8) store8(q + v, exp_nonpositive8(load8(q + v) - m));
+  for (; v < n; ++v) q[v] = exp_nonpositive(q[v] - m);
   F8 sum8{};
   for (i = 0; i + 8 <= n; i += 8) sum8 += load8(q + i);
   float sum = 0.0f;

@@ -34,6 +34,19 @@ DPARA_RT_INLINE std::uint32_t float_bits(float f) {
   return u;
 }
 
+// 8-float GCC vectors: ymm registers in the AVX2 clone, pairs of xmm in the baseline one. Every function
+// taking or returning them is inlined, so the vector ABI difference GCC warns about never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float F8 __attribute__((vector_size(32)));
+typedef std::int32_t I8 __attribute__((vector_size(32)));
+
+DPARA_RT_INLINE F8 load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+DPARA_RT_INLINE void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
+
 // log and exp as branch-free float code (Cephes' logf / expf polynomials, about 1 ulp), so their loops
 // vectorise: std::log / std::exp stay scalar calls without -ffast-math, and were most of the time of a
 // sampled draft. They differ from torch's (SLEEF) results in the last bit at most, like Triton's do.
@@ -76,6 +89,27 @@ DPARA_RT_INLINE float exp_nonpositive(float x) {
   y = y * r * r + r + 1.0f;
   const float two_n = bits_float(std::uint32_t(std::int32_t(fn) + 127) << 23);  // n >= -126: a normal float
   return in_range ? y * two_n : (x < -87.0f ? 0.0f : x);
+}
+
+// exp_nonpositive on eight lanes: the same operations in the same order, so each lane has the scalar's bits (GCC
+// does not vectorise the scalar's loops: its int conversion and the select around it keep them scalar).
+DPARA_RT_INLINE F8 exp_nonpositive8(F8 x) {
+  const F8 lo = F8{} - 87.0f;
+  const I8 in_range = x >= lo;  // false for -inf and NaN too
+  const F8 xc = in_range ? x : lo;
+  const F8 fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const F8 r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;
+  F8 y = F8{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const I8 e = (__builtin_convertvector(fn, I8) + 127) << 23;
+  F8 two_n;
+  std::memcpy(&two_n, &e, sizeof two_n);
+  return in_range ? y * two_n : (x < lo ? F8{} : x);
 }
 
 // ------------------------------------------------------------------------------------------ Philox

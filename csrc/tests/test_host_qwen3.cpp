@@ -152,6 +152,61 @@ void test_a_causal_block_equals_decoding_after_the_context() {
 // A context update whose fc is the identity and whose norm is the layer's input norm stores, bit for bit, the K/V
 // that the layer itself stores for the same rows (the same norm, the same FMA chains over the k and v columns, the
 // same k norm and RoPE); rows past a block's count are not written; refusals name the value before any write.
+void test_a_verify_gives_each_token_the_bits_of_decoding_it_alone() {
+  // Tokens verified together (two rows of different lengths, keys crossing a block of eight) get the bits that
+  // decoding each alone after the same context gives: attention shares the KV head's blocks among the queries,
+  // but each score and each value sum is one query's own. head_dim 8: the blocked path; 12: the one-query path.
+  for (const std::int64_t head_dim : {8, 12}) {
+    const HostQwen3Dims dm{32, 4, 2, head_dim, 48, 1e-6f};
+    const std::int64_t layers = 2, batch = 2, t = 6, max_len = 32, hd = dm.hidden;
+    const std::int64_t ctx[2] = {13, 3};
+    std::vector<Layer> ls;
+    std::vector<HostQwen3Weights> ws;
+    for (int i = 0; i < layers; ++i) ls.push_back(make_layer(dm, 500u * (i + 1)));
+    for (auto& l : ls) ws.push_back(l.w);
+    const std::int64_t head_stride = max_len * dm.head_dim, row_stride = dm.kv_heads * head_stride;
+    const std::int64_t layer_size = batch * row_stride;
+    F k1(layers * layer_size, 0.0f), v1(k1.size(), 0.0f);
+    std::vector<HostKVLayer> c1;
+    for (int i = 0; i < layers; ++i)
+      c1.push_back({k1.data() + i * layer_size, v1.data() + i * layer_size, row_stride, head_stride, max_len});
+    std::vector<std::int64_t> pos(batch * 13);  // each row's context, the shorter one padded past its end
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t j = 0; j < 13; ++j) pos[b * 13 + j] = j < ctx[b] ? j : ctx[b] + t + j;
+    F cos, sin, h = noise(batch * 13 * hd, 31, 2.0f);
+    rope(dm, pos, cos, sin);
+    host_qwen3_layers(dm, ws.data(), c1.data(), layers, h.data(), batch, 13, pos.data(), cos.data(), sin.data(),
+                      nullptr, nullptr, 0);
+    F k2 = k1, v2 = v1;
+    std::vector<HostKVLayer> c2;
+    for (int i = 0; i < layers; ++i)
+      c2.push_back({k2.data() + i * layer_size, v2.data() + i * layer_size, row_stride, head_stride, max_len});
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t j = 0; j < t; ++j) pos[b * t + j] = ctx[b] + j;
+    pos.resize(batch * t);
+    rope(dm, pos, cos, sin);
+    const F rows = noise(batch * t * hd, 33, 2.0f);
+    F together = rows;
+    host_qwen3_layers(dm, ws.data(), c1.data(), layers, together.data(), batch, t, pos.data(), cos.data(), sin.data(),
+                      nullptr, nullptr, 0);
+    for (std::int64_t j = 0; j < t; ++j) {  // one token per row per call, in order
+      F step(batch * hd), step_cos(batch * dm.head_dim), step_sin(batch * dm.head_dim);
+      std::vector<std::int64_t> step_pos(batch);
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::copy_n(rows.data() + (b * t + j) * hd, hd, step.data() + b * hd);
+        std::copy_n(cos.data() + (b * t + j) * dm.head_dim, dm.head_dim, step_cos.data() + b * dm.head_dim);
+        std::copy_n(sin.data() + (b * t + j) * dm.head_dim, dm.head_dim, step_sin.data() + b * dm.head_dim);
+        step_pos[b] = pos[b * t + j];
+      }
+      host_qwen3_layers(dm, ws.data(), c2.data(), layers, step.data(), batch, 1, step_pos.data(), step_cos.data(),
+                        step_sin.data(), nullptr, nullptr, 0);
+      for (std::int64_t b = 0; b < batch; ++b)
+        CHECK(max_abs_diff(step.data() + b * hd, together.data() + (b * t + j) * hd, hd) == 0.0f);
+    }
+    CHECK(max_abs_diff(k1.data(), k2.data(), layers * layer_size) == 0.0f);
+  }
+}
+
 void test_the_context_update_stores_what_the_layer_stores() {
   const HostQwen3Dims dm{32, 4, 2, 8, 48, 1e-6f};
   const std::int64_t batch = 2, t = 3, max_len = 8, hd = dm.hidden;
@@ -305,6 +360,7 @@ void test_a_whole_forward_is_its_steps() {
 int main() {
   test_a_whole_forward_is_its_steps();
   test_a_causal_block_equals_decoding_after_the_context();
+  test_a_verify_gives_each_token_the_bits_of_decoding_it_alone();
   test_the_context_update_stores_what_the_layer_stores();
   return check::finish("test_host_qwen3");
 }
