@@ -74,43 +74,37 @@ DPARA_RT_INLINE float log_positive(float x) {
   return (m + y) + 0.693359375f * fe;
 }
 
-// exp(x) for x <= 0 (softmax's z - max): 0 below -87 (exp < 2^-125), NaN stays NaN.
-DPARA_RT_INLINE float exp_nonpositive(float x) {
-  const bool in_range = x >= -87.0f;       // false for -inf and NaN too
-  const float xc = in_range ? x : -87.0f;  // keeps the int conversion below defined
-  const float fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / log 2): 1.5 * 2^23 trick
-  const float r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;             // x - n log(2), |r| <= log(2) / 2
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const float two_n = bits_float(std::uint32_t(std::int32_t(fn) + 127) << 23);  // n >= -126: a normal float
-  return in_range ? y * two_n : (x < -87.0f ? 0.0f : x);
+DPARA_RT_INLINE std::int32_t to_int(float x) { return std::int32_t(x); }
+DPARA_RT_INLINE I8 to_int(F8 x) { return __builtin_convertvector(x, I8); }
+DPARA_RT_INLINE float from_bits(std::int32_t b) { return bits_float(std::uint32_t(b)); }
+DPARA_RT_INLINE F8 from_bits(I8 b) {
+  F8 v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
 }
 
-// exp_nonpositive on eight lanes: the same operations in the same order, so each lane has the scalar's bits (GCC
-// does not vectorise the scalar's loops: its int conversion and the select around it keep them scalar).
-DPARA_RT_INLINE F8 exp_nonpositive8(F8 x) {
-  const F8 lo = F8{} - 87.0f;
-  const I8 in_range = x >= lo;  // false for -inf and NaN too
-  const F8 xc = in_range ? x : lo;
-  const F8 fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const F8 r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;
-  F8 y = F8{} + 1.9875691500e-4f;
+// exp(x) for x <= 0 (softmax's z - max): 0 below -87 (exp < 2^-125), NaN stays NaN. One body for a float and for
+// eight lanes (F8), so each lane gets the scalar's bits: GCC does not vectorise loops over the scalar (its int
+// conversion and the select around it keep them scalar), so hot loops call the F8 form.
+template <class T>
+DPARA_RT_INLINE T exp_nonpositive_lanes(T x) {
+  const T lo = T{} - 87.0f;
+  const auto in_range = x >= lo;  // false for -inf and NaN too
+  const T xc = in_range ? x : lo;  // keeps the int conversion below defined
+  const T fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / log 2): 1.5 * 2^23 trick
+  const T r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;             // x - n log(2), |r| <= log(2) / 2
+  T y = T{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const I8 e = (__builtin_convertvector(fn, I8) + 127) << 23;
-  F8 two_n;
-  std::memcpy(&two_n, &e, sizeof two_n);
-  return in_range ? y * two_n : (x < lo ? F8{} : x);
+  const T two_n = from_bits((to_int(fn) + 127) << 23);  // n >= -126: a normal float
+  return in_range ? y * two_n : (x < lo ? T{} : x);
 }
+DPARA_RT_INLINE float exp_nonpositive(float x) { return exp_nonpositive_lanes(x); }
+DPARA_RT_INLINE F8 exp_nonpositive8(F8 x) { return exp_nonpositive_lanes(x); }
 
 // ------------------------------------------------------------------------------------------ Philox
 

@@ -52,6 +52,37 @@ Layer make_layer(const HostQwen3Dims& dm, std::uint32_t seed) {
   return l;
 }
 
+// n layers (make_layer with seeds seed * (i + 1)) and their weights, as host_qwen3_layers takes them.
+struct Layers {
+  std::vector<Layer> ls;
+  std::vector<HostQwen3Weights> ws;
+  Layers(const HostQwen3Dims& dm, int n, std::uint32_t seed) {
+    for (int i = 0; i < n; ++i) ls.push_back(make_layer(dm, seed * (i + 1)));
+    for (auto& l : ls) ws.push_back(l.w);
+  }
+};
+
+// Zeroed KV caches of n layers, batch rows of max_len slots each; a copy holds the same values in its own memory.
+struct Caches {
+  std::int64_t head_stride, row_stride, layer_size, max_len;
+  F k, v;
+  std::vector<HostKVLayer> layers;
+  Caches(const HostQwen3Dims& dm, int n, std::int64_t batch, std::int64_t max_len)
+      : head_stride(max_len * dm.head_dim), row_stride(dm.kv_heads * head_stride), layer_size(batch * row_stride),
+        max_len(max_len), k(n * layer_size, 0.0f), v(k.size(), 0.0f) {
+    point(n);
+  }
+  Caches(const Caches& o)
+      : head_stride(o.head_stride), row_stride(o.row_stride), layer_size(o.layer_size), max_len(o.max_len), k(o.k),
+        v(o.v) {
+    point(static_cast<int>(o.layers.size()));
+  }
+  void point(int n) {
+    for (int i = 0; i < n; ++i)
+      layers.push_back({k.data() + i * layer_size, v.data() + i * layer_size, row_stride, head_stride, max_len});
+  }
+};
+
 void rope(const HostQwen3Dims& dm, const std::vector<std::int64_t>& positions, F& cos, F& sin) {
   const std::int64_t d = dm.head_dim, half = d / 2;
   cos.assign(positions.size() * d, 0.0f);
@@ -158,37 +189,26 @@ void test_a_verify_gives_each_token_the_bits_of_decoding_it_alone() {
   // but each score and each value sum is one query's own. head_dim 8: the blocked path; 12: the one-query path.
   for (const std::int64_t head_dim : {8, 12}) {
     const HostQwen3Dims dm{32, 4, 2, head_dim, 48, 1e-6f};
-    const std::int64_t layers = 2, batch = 2, t = 6, max_len = 32, hd = dm.hidden;
+    const std::int64_t layers = 2, batch = 2, t = 6, hd = dm.hidden;
     const std::int64_t ctx[2] = {13, 3};
-    std::vector<Layer> ls;
-    std::vector<HostQwen3Weights> ws;
-    for (int i = 0; i < layers; ++i) ls.push_back(make_layer(dm, 500u * (i + 1)));
-    for (auto& l : ls) ws.push_back(l.w);
-    const std::int64_t head_stride = max_len * dm.head_dim, row_stride = dm.kv_heads * head_stride;
-    const std::int64_t layer_size = batch * row_stride;
-    F k1(layers * layer_size, 0.0f), v1(k1.size(), 0.0f);
-    std::vector<HostKVLayer> c1;
-    for (int i = 0; i < layers; ++i)
-      c1.push_back({k1.data() + i * layer_size, v1.data() + i * layer_size, row_stride, head_stride, max_len});
+    const Layers net(dm, layers, 500u);
+    Caches c1(dm, layers, batch, 32);
     std::vector<std::int64_t> pos(batch * 13);  // each row's context, the shorter one padded past its end
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t j = 0; j < 13; ++j) pos[b * 13 + j] = j < ctx[b] ? j : ctx[b] + t + j;
     F cos, sin, h = noise(batch * 13 * hd, 31, 2.0f);
     rope(dm, pos, cos, sin);
-    host_qwen3_layers(dm, ws.data(), c1.data(), layers, h.data(), batch, 13, pos.data(), cos.data(), sin.data(),
-                      nullptr, nullptr, 0);
-    F k2 = k1, v2 = v1;
-    std::vector<HostKVLayer> c2;
-    for (int i = 0; i < layers; ++i)
-      c2.push_back({k2.data() + i * layer_size, v2.data() + i * layer_size, row_stride, head_stride, max_len});
+    host_qwen3_layers(dm, net.ws.data(), c1.layers.data(), layers, h.data(), batch, 13, pos.data(), cos.data(),
+                      sin.data(), nullptr, nullptr, 0);
+    Caches c2 = c1;
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t j = 0; j < t; ++j) pos[b * t + j] = ctx[b] + j;
     pos.resize(batch * t);
     rope(dm, pos, cos, sin);
     const F rows = noise(batch * t * hd, 33, 2.0f);
     F together = rows;
-    host_qwen3_layers(dm, ws.data(), c1.data(), layers, together.data(), batch, t, pos.data(), cos.data(), sin.data(),
-                      nullptr, nullptr, 0);
+    host_qwen3_layers(dm, net.ws.data(), c1.layers.data(), layers, together.data(), batch, t, pos.data(), cos.data(),
+                      sin.data(), nullptr, nullptr, 0);
     for (std::int64_t j = 0; j < t; ++j) {  // one token per row per call, in order
       F step(batch * hd), step_cos(batch * dm.head_dim), step_sin(batch * dm.head_dim);
       std::vector<std::int64_t> step_pos(batch);
@@ -198,12 +218,12 @@ void test_a_verify_gives_each_token_the_bits_of_decoding_it_alone() {
         std::copy_n(sin.data() + (b * t + j) * dm.head_dim, dm.head_dim, step_sin.data() + b * dm.head_dim);
         step_pos[b] = pos[b * t + j];
       }
-      host_qwen3_layers(dm, ws.data(), c2.data(), layers, step.data(), batch, 1, step_pos.data(), step_cos.data(),
-                        step_sin.data(), nullptr, nullptr, 0);
+      host_qwen3_layers(dm, net.ws.data(), c2.layers.data(), layers, step.data(), batch, 1, step_pos.data(),
+                        step_cos.data(), step_sin.data(), nullptr, nullptr, 0);
       for (std::int64_t b = 0; b < batch; ++b)
         CHECK(max_abs_diff(step.data() + b * hd, together.data() + (b * t + j) * hd, hd) == 0.0f);
     }
-    CHECK(max_abs_diff(k1.data(), k2.data(), layers * layer_size) == 0.0f);
+    CHECK(max_abs_diff(c1.k.data(), c2.k.data(), layers * c1.layer_size) == 0.0f);
   }
 }
 
@@ -266,19 +286,13 @@ void test_a_whole_forward_is_its_steps() {
   // refused by name before anything is written. Then host_qwen3_verify: the same from committed lengths, with the
   // arg-max; a row past the cache refused with nothing written, a NaN logit reported.
   const HostQwen3Dims dm{32, 4, 2, 8, 48, 1e-6f};
-  const std::int64_t layers = 2, batch = 2, t = 3, max_len = 16, hd = dm.hidden, vocab = 40, table = 20;
-  std::vector<Layer> ls;
-  std::vector<HostQwen3Weights> ws;
-  for (int i = 0; i < layers; ++i) ls.push_back(make_layer(dm, 300u * (i + 1)));
-  for (auto& l : ls) ws.push_back(l.w);
-  const std::int64_t head_stride = max_len * dm.head_dim, row_stride = dm.kv_heads * head_stride;
-  const std::int64_t layer_size = batch * row_stride;
-  F k1(layers * layer_size), v1(k1.size()), k2(k1.size()), v2(k1.size());
-  std::vector<HostKVLayer> c1, c2;
-  for (int i = 0; i < layers; ++i) {
-    c1.push_back({k1.data() + i * layer_size, v1.data() + i * layer_size, row_stride, head_stride, max_len});
-    c2.push_back({k2.data() + i * layer_size, v2.data() + i * layer_size, row_stride, head_stride, max_len});
-  }
+  const std::int64_t layers = 2, batch = 2, t = 3, hd = dm.hidden, vocab = 40, table = 20;
+  const Layers net(dm, layers, 300u);
+  const std::vector<HostQwen3Weights>& ws = net.ws;
+  Caches caches1(dm, layers, batch, 16), caches2 = caches1, caches3 = caches1;  // the steps', the verify's
+  const std::vector<HostKVLayer>&c1 = caches1.layers, &c2 = caches2.layers, &c3 = caches3.layers;
+  const std::int64_t layer_size = caches1.layer_size;
+  F &k1 = caches1.k, &k2 = caches2.k, &k3 = caches3.k;
   std::vector<std::int64_t> all_pos(table);
   for (std::int64_t p = 0; p < table; ++p) all_pos[p] = p;
   F cos_table, sin_table;
@@ -325,10 +339,7 @@ void test_a_whole_forward_is_its_steps() {
   CHECK(max_abs_diff(k_before.data(), k1.data(), layers * layer_size) == 0.0f);
 
   // host_qwen3_verify: the same forward at positions lengths[b] + j, and the arg-max of each row of its logits.
-  F k3(k1.size(), 0.0f), v3(k1.size(), 0.0f), feats3(rows * fw, 0.0f), logits3(rows * vocab);
-  std::vector<HostKVLayer> c3;
-  for (int i = 0; i < layers; ++i)
-    c3.push_back({k3.data() + i * layer_size, v3.data() + i * layer_size, row_stride, head_stride, max_len});
+  F feats3(rows * fw, 0.0f), logits3(rows * vocab);
   const std::vector<std::int64_t> lengths = {4, 1};
   std::vector<std::int64_t> argmax(rows, -1);
   CHECK(host_qwen3_verify(dm, ws.data(), c3.data(), layers, ends, tokens.data(), batch, t, lengths.data(),
