@@ -15,6 +15,7 @@
 #include "dpara_rt/host_linear.h"
 #include "dpara_rt/host_qwen3.h"
 #include "dpara_rt/lane.h"
+#include "dpara_rt/mailbox.h"
 #include "dpara_rt/markov_head.h"
 #include "dpara_rt/metrics.h"
 #include "dpara_rt/ring.h"
@@ -500,6 +501,39 @@ PYBIND11_MODULE(_core, m) {
              std::lock_guard<std::mutex> lock(c.mutex());
              return c.misses();
            }, "Steps that computed their token's row.");
+  // The memory is a mapping that dpara_rt.drafter_context keeps alive beside the object, in both processes.
+  py::class_<Mailbox>(m, "Mailbox",
+                      "A one-way queue of byte messages between two processes over shared memory (one writer, "
+                      "one reader): a drafter worker's calls and replies.")
+      .def(py::init([](std::uintptr_t address, std::size_t capacity, bool create) {
+             return new Mailbox(reinterpret_cast<void*>(address), capacity, create);
+           }),
+           py::arg("address"), py::arg("capacity"), py::arg("create"),
+           "The mailbox at `address` (bytes_for(capacity) bytes of a shared mapping, 64-byte aligned): laid out "
+           "there when `create`, else attached to.")
+      .def_static("bytes_for", &Mailbox::bytes_for, py::arg("capacity"))
+      .def_property_readonly("capacity", &Mailbox::capacity)
+      .def("push", [](Mailbox& box, const py::bytes& message, double timeout_s) {
+             char* data = nullptr;
+             Py_ssize_t n = 0;
+             PyBytes_AsStringAndSize(message.ptr(), &data, &n);
+             py::gil_scoped_release nogil;  // `message` keeps the bytes alive
+             return box.push(data, std::size_t(n), timeout_s);
+           }, py::arg("message"), py::arg("timeout_s"),
+           "Append `message`, waiting up to timeout_s for room; False when there was none. Releases the GIL.")
+      .def("pop", [](Mailbox& box, double spin_s, double timeout_s) -> py::object {
+             std::string out;
+             bool got = false;
+             {
+               py::gil_scoped_release nogil;
+               got = box.pop(out, spin_s, timeout_s);
+             }
+             if (!got) return py::none();
+             return py::bytes(out);
+           }, py::arg("spin_s"), py::arg("timeout_s"),
+           "The oldest message (bytes), spinning up to spin_s, then sleeping, for at most timeout_s; None then. "
+           "Releases the GIL.")
+      .def("ready", &Mailbox::ready, "Whether a message is waiting.");
   m.def("gumbel_noise_host", [](std::uintptr_t out_ptr, std::int64_t batch, int d, std::int64_t vocab,
                                 std::uint64_t seed, std::uint64_t offset) {
         py::gil_scoped_release nogil;

@@ -12,7 +12,7 @@ import torch
 from dpara_rt import _core
 from dpara_rt.core import slot_tensor, staging_tensor
 from dpara_rt.drafter_context import BranchSplit, DrafterWorker, LocalContext, WorkerContext
-from dpara_rt.engine import Engine
+from dpara_rt.engine import WORKER_SPIN_S, Engine
 from engine_pairs import predictable_pair
 
 D = 4
@@ -157,6 +157,27 @@ def test_worker_error_is_raised_here_with_its_traceback_and_the_worker_goes_on(w
     assert worker.call("ping") == worker.pid != os.getpid()
 
 
+def test_calls_and_replies_cross_in_shared_memory_not_the_pipe(pair, monkeypatch):
+    """A call and its reply go through the mailboxes (the pipe carries only descriptors to map): with the pipe
+    made unusable a call still runs, each push of this side is one call, and a spinning pair answers the same."""
+    pushes = []
+    push = _core.Mailbox.push
+    monkeypatch.setattr(_core.Mailbox, "push", lambda box, raw, timeout: pushes.append(len(raw)) or push(box, raw, timeout))
+    for spin in (0.0, 5e-3):
+        w = DrafterWorker(pair[1], None, 1, spin_s=spin)
+        try:
+            pipe, w._conn = w._conn, None  # any use of the pipe now fails
+            pushes.clear()
+            assert w.call("ping") == w.pid and len(pushes) == 1
+            with pytest.raises(AttributeError, match="no_such_call"):
+                w.call("no_such_call")
+            assert w.call("ping") == w.pid and len(pushes) == 3
+            w._conn = pipe
+        finally:
+            w.close()
+        assert not w.alive
+
+
 def test_buffers_not_in_shared_memory_are_refused(pair, worker):
     staging = _core.Staging(1, D, 64)
     ring = _core.BoundaryRing(2, 1, D, 8)
@@ -215,7 +236,14 @@ def test_auto_uses_a_worker_for_dpara_split_on_the_host_only(pair):
         eng = Engine(target, drafter, method=method, d=D, placement=placement)
         eng.generate([[1, 2, 3]], 8)
         assert (eng._worker is not None) == expect, (method, placement)
+        if expect:  # on cores of its own (two or more here) it spins for calls; sharing the target's it sleeps
+            own = set(eng._worker_cores or ()) and not set(eng._worker_cores) & set(eng.lanes[0].cores or ())
+            assert eng._worker._spin_s == (WORKER_SPIN_S if own else 0.0)
         eng.close()
+    eng = Engine(target, drafter, method="dpara", d=D, placement="colocated", drafter_worker="process")
+    eng.generate([[1, 2, 3]], 8)
+    assert eng._worker is not None and eng._worker._spin_s == 0.0
+    eng.close()
     with pytest.raises(ValueError, match="drafter_worker 'procs'; expected one of"):
         Engine(target, drafter, drafter_worker="procs")
 

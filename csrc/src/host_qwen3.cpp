@@ -74,11 +74,13 @@ DPARA_RT_INLINE float lane_sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + 
 
 // (x0 + x4, x1 + x5, x2 + x6, x3 + x7, y0 + y4, y1 + y5, y2 + y6, y3 + y7)
 DPARA_RT_INLINE F8 half_sums(F8 x, F8 y) {
-  return __builtin_shuffle(x, y, I8{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(x, y, I8{4, 5, 6, 7, 12, 13, 14, 15});
+  return __builtin_shuffle(x, y, I8{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(x, y, I8{4, 5, 6, 7, 12, 13, 14, 15});
 }
 // (x0 + x1, x2 + x3, x4 + x5, x6 + x7, y0 + y1, y2 + y3, y4 + y5, y6 + y7)
 DPARA_RT_INLINE F8 pair_sums(F8 x, F8 y) {
-  return __builtin_shuffle(x, y, I8{0, 2, 4, 6, 8, 10, 12, 14}) + __builtin_shuffle(x, y, I8{1, 3, 5, 7, 9, 11, 13, 15});
+  return __builtin_shuffle(x, y, I8{0, 2, 4, 6, 8, 10, 12, 14}) +
+         __builtin_shuffle(x, y, I8{1, 3, 5, 7, 9, 11, 13, 15});
 }
 
 // The scores q . k_j of eight keys k[j * d ..] (d % 8 == 0) in one vector: each key's sum as dot()'s (its lanes over
@@ -205,7 +207,9 @@ DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int6
     for (std::int64_t g = 0; g < dm.kv_heads; ++g) {
       const std::int64_t base = b * cache.row_stride + g * cache.head_stride;
       const float *k = cache.k + base, *v = cache.v + base;
-      const auto query = [&](std::int64_t i) { return qkv + (b * t + i / group) * width + (g * group + i % group) * d; };
+      const auto query = [&](std::int64_t i) {
+        return qkv + (b * t + i / group) * width + (g * group + i % group) * d;
+      };
       std::int64_t most = 0;
       for (std::int64_t i = 0; i < nq; ++i) most = std::max(most, keys[i] = positions[b * t + i / group] + 1);
       for (std::int64_t s0 = 0; s0 < most; s0 += 8)
@@ -216,7 +220,8 @@ DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int6
             for (std::int64_t s = s0; s < keys[i]; ++s) sc[s] = dot(query(i), k + s * d, d) * scale;
         }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (std::int64_t i = 0; i < nq; ++i) totals[i] = softmax_unnormalised(scores.data() + i * cache.max_len, keys[i]);
+      for (std::int64_t i = 0; i < nq; ++i)
+        totals[i] = softmax_unnormalised(scores.data() + i * cache.max_len, keys[i]);
       for (std::int64_t s0 = 0; s0 < most; s0 += kValueBlock)
         for (std::int64_t i = 0; i < nq; ++i)
           if (s0 < keys[i])

@@ -36,6 +36,10 @@ from dpara_rt.core import branch_rows
 from dpara_rt.native import gumbel_noise
 
 WORKER_MODES = ("auto", "thread", "process")
+# Each direction's mailbox (dpara_rt._core.Mailbox): a call carries token lists, a reply a few numbers or an error.
+_MAILBOX_BYTES = 1 << 20
+_LIVENESS_S = 0.1  # a wait for a reply checks that the worker still lives this often
+_PUSH_TIMEOUT_S = 30.0  # a worker that reads no call for this long is stuck
 # worker call -> timeline phase
 _PHASES = {"absorb_prompt": "context", "absorb_staged": "context", "boundary": "backbone"}
 
@@ -324,11 +328,16 @@ def _grown(drafter, cache, batch: int):
 class DrafterWorker:
     """A spawned process that runs the drafter's calls (``WorkerContext``), pinned to the drafter lane's cores.
 
+    Calls and replies cross through two mailboxes in shared memory (``_core.Mailbox``), pickled; the pipe carries
+    only file descriptors (shared buffers to map) and tells each side when the other is gone. ``spin_s``: how long
+    each side spins for the other's message before sleeping, for a worker on cores of its own (0 where it shares
+    the caller's: spinning there would take the core from the side it waits for).
+
     An error in the worker is raised here, in the caller, with the worker's traceback as a note; the worker
     keeps serving. If the process dies, the call raises RuntimeError naming its exit code and ``alive`` turns
     False (the engine starts a new worker for its next decode)."""
 
-    def __init__(self, drafter, cores, threads: int):
+    def __init__(self, drafter, cores, threads: int, spin_s: float = 0.0):
         if drafter.device.type != "cpu":
             raise ValueError(f"a drafter worker process runs on the host; the drafter is on {drafter.device}")
         ctx = multiprocessing.get_context("spawn")  # fork would copy the lanes' threads' locks mid-use
@@ -338,6 +347,8 @@ class DrafterWorker:
         with _without_main_script():
             self._proc.start()
         theirs.close()
+        self._spin_s = spin_s
+        self._calls, self._replies = self._mailboxes(spin_s)
         self._lock = threading.Lock()
         self._pending: list[str] = []  # ops posted and not yet answered, in order
         self._broken: str | None = None
@@ -347,6 +358,25 @@ class DrafterWorker:
         self.mapped: tuple | None = None  # the (staging, ring) the worker maps, kept alive here
         self.vocab = drafter.config.vocab_size
         self.call("ping")
+
+    def _mailboxes(self, spin_s: float) -> tuple:
+        """The calls and replies mailboxes, laid out here in new memfds that the worker maps from its first message."""
+        boxes, fds = [], []
+        for name in ("calls", "replies"):
+            fd = os.memfd_create(f"dpara_rt-{name}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, _core.Mailbox.bytes_for(_MAILBOX_BYTES))
+            mapping = mmap.mmap(fd, _core.Mailbox.bytes_for(_MAILBOX_BYTES))
+            view = torch.frombuffer(mapping, dtype=torch.uint8)  # its address; it keeps the mapping alive
+            boxes.append((_core.Mailbox(view.data_ptr(), _MAILBOX_BYTES, True), view, mapping))
+            fds.append(fd)
+        try:
+            self._conn.send(("attach", (_MAILBOX_BYTES, spin_s)))
+            for fd in fds:
+                reduction.send_handle(self._conn, fd, self._proc.pid)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return boxes[0], boxes[1]
 
     @property
     def pid(self) -> int:
@@ -364,12 +394,13 @@ class DrafterWorker:
     def post(self, op: str, *args, fds=()) -> None:
         """Start `op` in the worker without waiting; `fds` are file descriptors passed along (SCM_RIGHTS)."""
         with self._lock:
-            if self._broken is not None:  # a dead process shows as EOF / a broken pipe: no poll per call
+            if self._broken is not None or not self._proc.is_alive():
                 self._check_alive(op)
+            # plain pickle: calls carry only numbers and lists (tensors cross in shared memory)
+            if not self._calls[0].push(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL), _PUSH_TIMEOUT_S):
+                raise self._died(op)
             try:
-                # plain pickle: calls carry only numbers and lists (tensors cross in shared memory)
-                self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
-                for fd in fds:
+                for fd in fds:  # read by the call, in the worker, from the pipe
                     reduction.send_handle(self._conn, fd, self._proc.pid)
             except OSError as e:
                 raise self._died(op) from e
@@ -384,11 +415,11 @@ class DrafterWorker:
             while self._pending and (count is None or seen < count):
                 seen += 1
                 op = self._pending.pop(0)
-                try:  # a worker that dies closes its end of the pipe: recv raises EOFError then
-                    status, value, where = self._conn.recv()
-                except (EOFError, OSError) as e:
-                    self._pending.clear()
-                    raise self._died(op) from e
+                while (raw := self._replies[0].pop(self._spin_s, _LIVENESS_S)) is None:
+                    if not self._proc.is_alive():
+                        self._pending.clear()
+                        raise self._died(op)
+                status, value, where = pickle.loads(raw)
                 if status == "error":
                     if error is None:
                         if hasattr(value, "add_note"):
@@ -425,8 +456,7 @@ class DrafterWorker:
         """Stop the worker (idempotent)."""
         with self._lock:
             if self._proc.is_alive():
-                with contextlib.suppress(OSError, ValueError):
-                    self._conn.send(("exit", ()))
+                self._calls[0].push(pickle.dumps(("exit", ())), 1.0)
                 self._proc.join(5.0)
                 if self._proc.is_alive():
                     self._proc.kill()
@@ -568,32 +598,60 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
         os.close(fd)  # the mapping keeps the memory
 
 
+def _attach(conn) -> tuple:
+    """The worker's side of DrafterWorker._mailboxes: (calls, replies, spin_s, what keeps their memory mapped)."""
+    op, (capacity, spin_s) = conn.recv()
+    if op != "attach":
+        raise RuntimeError(f"the drafter worker's first message is {op!r}; expected 'attach'")
+    boxes, keep = [], []
+    for _ in range(2):
+        mapping = _map(reduction.recv_handle(conn), _core.Mailbox.bytes_for(capacity))
+        view = torch.frombuffer(mapping, dtype=torch.uint8)
+        boxes.append(_core.Mailbox(view.data_ptr(), capacity, False))
+        keep.append((view, mapping))
+    return boxes[0], boxes[1], spin_s, keep
+
+
+def _answer(replies, worker: _Worker, conn, op: str, args: tuple) -> None:
+    """Run one call and push its reply: ("ok", value, (start_ns, end_ns)) or ("error", exception, traceback)."""
+    try:
+        fn = getattr(worker, op)
+        t0 = now_ns()
+        value = fn(*args, conn) if op in ("map_buffers", "map_shared", "map_scratch") else fn(*args)
+        reply = ("ok", value, (t0, now_ns()))
+    except Exception as e:  # noqa: BLE001 - the caller raises it
+        reply = ("error", e, traceback.format_exc())
+    try:
+        raw = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - an exception that does not pickle goes as its text
+        raw = pickle.dumps(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), reply[2] or repr(e)))
+    while not replies.push(raw, 1.0):
+        if os.getppid() == 1:  # the caller is gone: nobody will read it
+            return
+
+
 def _serve(conn, drafter, cores, threads: int) -> None:
-    """The worker process's loop: one call at a time, each answered with ("ok", value, (start_ns, end_ns)) or
-    ("error", exception, traceback text)."""
+    """The worker process's loop: one call at a time from the calls mailbox, each answered in the replies one."""
     if cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(threads)
     worker = _Worker(drafter)
+    parent = os.getppid()
+    try:
+        calls, replies, spin_s, _keep = _attach(conn)
+    except (EOFError, OSError):
+        os._exit(0)
     with torch.inference_mode():
         while True:
-            try:
-                op, args = conn.recv()
-            except (EOFError, OSError):
-                break
+            raw = calls.pop(spin_s, 1.0)
+            if raw is None:
+                if os.getppid() != parent:  # the caller died without an exit call
+                    break
+                continue
+            op, args = pickle.loads(raw)
             if op == "exit":
                 break
-            try:
-                fn = getattr(worker, op)
-                t0 = now_ns()
-                value = fn(*args, conn) if op in ("map_buffers", "map_shared", "map_scratch") else fn(*args)
-                reply = ("ok", value, (t0, now_ns()))
-            except Exception as e:  # noqa: BLE001 - the caller raises it
-                reply = ("error", e, traceback.format_exc())
-            try:
-                conn.send(reply)
-            except Exception as e:  # noqa: BLE001 - an exception that does not pickle goes as its text
-                conn.send(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), reply[2] or repr(e)))
+            _answer(replies, worker, conn, op, args)
     conn.close()
     os._exit(0)  # skip atexit handlers inherited through imports (the core's lane drain has no lanes here)
 

@@ -40,6 +40,9 @@ from dpara_rt.stats import Stats, summarize
 
 MAX_BATCH = 16  # the default batch limit; serving derives one from memory (batch_for_memory)
 GIL_SWITCH_S = 2e-4
+# A drafter worker on cores of its own and the lane it answers spin this long for each other's messages before
+# sleeping: a round's calls and replies come within a millisecond or two of each other.
+WORKER_SPIN_S = 5e-3
 AUTO_TURNS = 2  # timed runs per auto candidate (each keeps its best)
 _CACHE_GRANULE = 256  # the KV cache grows in steps of this many tokens
 
@@ -263,7 +266,9 @@ class Engine:
                 # verifications: beside the target it leaves the worker its cores (sharing them, the worker's
                 # wake-up would preempt the head's link).
                 drafter_lane.pin(target_lane.cores)
-            self._worker = DrafterWorker(self.drafter, self._worker_cores, drafter_lane.threads)
+            own = self._worker_cores and target_lane.cores and not set(self._worker_cores) & set(target_lane.cores)
+            self._worker = DrafterWorker(self.drafter, self._worker_cores, drafter_lane.threads,
+                                         spin_s=WORKER_SPIN_S if own else 0.0)
             weakref.finalize(self, self._worker.close)
         return self._worker
 
