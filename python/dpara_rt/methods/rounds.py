@@ -135,6 +135,7 @@ class Decoder:
         self._in_worker: tuple[int, int, int | None] | None = None  # (round, slot, features phase) being filled
         self._absorbed_ahead: int | None = None  # features phase of an absorb sent ahead, not yet settled
         self._staged, self._slots = {}, []
+        self._feature_views: dict | None = None  # _batch_buffers: the features staging as verifies write it
         # "hidden": the backbone skips the output head for all (d+1)*d rows; the head projects branch r alone.
         self.ring_logits = opts.dpara_ring == "logits"
         self._ring_capacity = ring_capacity
@@ -181,6 +182,10 @@ class Decoder:
             if self._kept is not None:  # one set: a decode of another shape replaces it
                 self._kept.update(key=key, buffers=(self.staging, self.ring, self._staged, self._slots))
         self.context.map_buffers(self.staging, self.ring)
+        # (phase, B, T) -> the features staging as the [B, T, F] float32 tensor a host verify writes into; None where
+        # the features are staged by a copy (a device target, another dtype)
+        direct = self.target_lane.device_index < 0 and target.dtype == torch.float32
+        self._feature_views = {} if direct else None
         if self.worker_q is not None and self._packed_head is not None:
             # mapped now, before the decode posts what it waits for: a mapping is a call, which collects every reply
             self.worker_q.branch(B, self.d, drafter.config.vocab_size, 0)
@@ -258,13 +263,18 @@ class Decoder:
     def _features_in_place(self, shape: torch.Size, phase: int) -> Tensor | None:
         """The features staging of `phase` as the [B, T, F] tensor a host verify writes into, once the region's last
         reader let go of it (the copy _stage makes, saved); None where the features are staged by a copy (a device
-        target, no drafter)."""
-        if self.drafter is None or self.target_lane.device_index >= 0 or self.target.dtype != torch.float32:
+        target, no drafter). The views are made once a decode: this runs right after the last round's glue."""
+        views = self._feature_views
+        if views is None:
             return None
-        B, T = shape
-        F = self.target.feature_dim
+        view = views.get((phase, *shape))
+        if view is None:
+            B, T = shape
+            F = self.target.feature_dim
+            raw = self._staged["features", phase][:B * T * F * 4]
+            view = views[phase, B, T] = raw.view(torch.float32).view(B, T, F)
         self.target_lane.wait(self._released["features"][phase])
-        return self._staged["features", phase][:B * T * F * 4].view(torch.float32).view(B, T, F)
+        return view
 
     def _release(self, lane: Lane, region: str, phase: int) -> None:
         self._released[region][phase] = lane.record()
