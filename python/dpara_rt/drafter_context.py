@@ -394,7 +394,7 @@ class DrafterWorker:
     def post(self, op: str, *args, fds=()) -> None:
         """Start `op` in the worker without waiting; `fds` are file descriptors passed along (SCM_RIGHTS)."""
         with self._lock:
-            if self._broken is not None or not self._proc.is_alive():
+            if self._broken is not None:  # a worker that dies meanwhile shows at the next wait for a reply
                 self._check_alive(op)
             # plain pickle: calls carry only numbers and lists (tensors cross in shared memory)
             if not self._calls[0].push(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL), _PUSH_TIMEOUT_S):
@@ -612,7 +612,7 @@ def _attach(conn) -> tuple:
     return boxes[0], boxes[1], spin_s, keep
 
 
-def _answer(replies, worker: _Worker, conn, op: str, args: tuple) -> None:
+def _answer(replies, worker: _Worker, conn, op: str, args: tuple, parent: int) -> None:
     """Run one call and push its reply: ("ok", value, (start_ns, end_ns)) or ("error", exception, traceback)."""
     try:
         fn = getattr(worker, op)
@@ -626,7 +626,7 @@ def _answer(replies, worker: _Worker, conn, op: str, args: tuple) -> None:
     except Exception as e:  # noqa: BLE001 - an exception that does not pickle goes as its text
         raw = pickle.dumps(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), reply[2] or repr(e)))
     while not replies.push(raw, 1.0):
-        if os.getppid() == 1:  # the caller is gone: nobody will read it
+        if os.getppid() != parent:  # the caller is gone: nobody will read it
             return
 
 
@@ -651,7 +651,7 @@ def _serve(conn, drafter, cores, threads: int) -> None:
             op, args = pickle.loads(raw)
             if op == "exit":
                 break
-            _answer(replies, worker, conn, op, args)
+            _answer(replies, worker, conn, op, args, parent)
     conn.close()
     os._exit(0)  # skip atexit handlers inherited through imports (the core's lane drain has no lanes here)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
