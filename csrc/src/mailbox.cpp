@@ -1,5 +1,6 @@
 #include "dpara_rt/mailbox.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstring>
@@ -119,7 +120,8 @@ bool Mailbox::push(const void* data, std::size_t bytes, double timeout_s) {
   Header& h = *header_;
   const std::uint64_t at = h.written.load(std::memory_order_relaxed);
   const auto room = [&] { return capacity_ - (at - h.consumed.load(std::memory_order_acquire)) >= need; };
-  if (!wait_until(h.events, h.sleepers, room, timeout_s, timeout_s)) return false;
+  // a full queue waits for a reader that is behind: spin a moment, then sleep until it reads
+  if (!wait_until(h.events, h.sleepers, room, std::min(timeout_s, 1e-3), timeout_s)) return false;
   const std::uint64_t length = bytes;
   const auto put = [&](std::uint64_t pos, const void* src, std::size_t n) {
     const std::size_t off = std::size_t(pos % capacity_), first = std::min(n, capacity_ - off);
