@@ -114,37 +114,36 @@ class HostQwen3:
                 capture: dict[int, int], features: Tensor | None, recheck: bool = True) -> None:
         """Every layer over h [B * T, H] (float32, contiguous, updated in place) at positions [B, T] (int64,
         contiguous), cos / sin [B * T, head_dim], in one core call; h after layer i copied into features
-        [B * T, F] at column capture[i]. recheck=False: see _stack_for."""
-        stack = self._stack_for(layers, cache, [capture.get(i, -1) for i in range(len(layers))], recheck)
+        [B * T, F] at column capture[i], but the last layer's (it is taken after the final norm, by the caller).
+        recheck=False: see _stack_for."""
+        stack = self._stack_for(layers, cache, _layer_columns(capture, len(layers))[0], recheck)
         B, T = positions.shape
         stack.forward(*_dims(cfg), h.data_ptr(), B, T, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       0 if features is None else features.data_ptr(), 0 if features is None else features.shape[-1])
 
     def run_tokens(self, layers, cfg, ends: tuple, tokens: Tensor, positions: Tensor, cache, capture: dict[int, int],
-                   last_capture: int, features: Tensor | None, logits: Tensor, recheck: bool = True) -> None:
+                   features: Tensor | None, logits: Tensor, recheck: bool = True) -> None:
         """A whole forward in one core call (``host_qwen3_tokens``): tokens and positions [B, T] (int64, contiguous),
         ends = (embedding [V, H], RoPE tables cos / sin [n, head_dim] covering every position, final norm weight
         and eps, the output head as HostLinear.packed gives it), logits [B, T, V'] (float32, contiguous); h after
-        layer i copied into features [B * T, F] at column capture[i], the final-normed rows at last_capture (-1:
-        none). recheck=False: see _stack_for."""
-        embed, cos, sin, norm, eps, (packed, dtype) = ends
-        stack = self._stack_for(layers, cache, [capture.get(i, -1) for i in range(len(layers))], recheck)
+        layer i copied into features [B * T, F] at column capture[i] (the last layer's after the final norm).
+        recheck=False: see _stack_for."""
+        cols, last_capture = _layer_columns(capture, len(layers))
+        stack = self._stack_for(layers, cache, cols, recheck)
         B, T = tokens.shape
-        stack.tokens_forward(*_dims(cfg), embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(), len(cos),
-                             norm.data_ptr(), eps, packed.data_ptr(), dtype, logits.shape[-1], tokens.data_ptr(), B, T,
+        stack.tokens_forward(*_dims(cfg), *_ends_args(ends), logits.shape[-1], tokens.data_ptr(), B, T,
                              positions.data_ptr(), last_capture, 0 if features is None else features.data_ptr(),
                              0 if features is None else features.shape[-1], logits.data_ptr())
 
-    def verify_plan(self, layers, cfg, ends: tuple, cache, capture: dict[int, int], last_capture: int,
-                    features_width: int, head_vocab: int) -> "VerifyPlan":
+    def verify_plan(self, layers, cfg, ends: tuple, cache, capture: dict[int, int], features_width: int,
+                    head_vocab: int) -> "VerifyPlan":
         """A decode's verify bound once (``host_qwen3_verify``): ends and capture as run_tokens's, the positions read
         from cache.lengths at each run. Trusts the layers as the last check found them (recheck=False): the caller
         builds it right after a forward that checked them."""
-        embed, cos, sin, norm, eps, (packed, dtype) = ends
-        stack = self._stack_for(layers, cache, [capture.get(i, -1) for i in range(len(layers))], recheck=False)
-        core = stack.verify_plan(*_dims(cfg), embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(),
-                                 len(cos), norm.data_ptr(), eps, packed.data_ptr(), dtype, head_vocab, last_capture,
-                                 features_width, cache.lengths.data_ptr())
+        cols, last_capture = _layer_columns(capture, len(layers))
+        stack = self._stack_for(layers, cache, cols, recheck=False)
+        core = stack.verify_plan(*_dims(cfg), *_ends_args(ends), head_vocab, last_capture, features_width,
+                                 cache.lengths.data_ptr())
         return VerifyPlan(core, (self._stack, ends, cache), features_width, head_vocab)
 
     def run_block(self, layers, cfg, final_norm: Tensor, h: Tensor, ctx_lens: Tensor, visible: Tensor, cos: Tensor,
@@ -190,6 +189,20 @@ class HostQwen3:
             self._stack = key, _core.HostQwen3Stack([p.core for p in packed], k.data_ptr(), v.data_ptr(), k.stride(0),
                                                     k.stride(1), k.stride(2), k.shape[3], cols)
         return self._stack[1]
+
+
+def _layer_columns(capture: dict[int, int], n_layers: int) -> tuple[list[int], int]:
+    """(the core's capture column per layer, -1 for none and for the last layer; the last layer's column, or -1): the
+    last layer's feature is its output after the final norm, which the core writes after the stack."""
+    last = n_layers - 1
+    return [capture.get(i, -1) if i != last else -1 for i in range(n_layers)], capture.get(last, -1)
+
+
+def _ends_args(ends: tuple) -> tuple:
+    """The core's arguments for the ends of a whole forward (embedding, RoPE tables, final norm, packed head)."""
+    embed, cos, sin, norm, eps, (packed, dtype) = ends
+    return (embed.data_ptr(), embed.shape[0], cos.data_ptr(), sin.data_ptr(), len(cos), norm.data_ptr(), eps,
+            packed.data_ptr(), dtype)
 
 
 def _dims(cfg) -> tuple:

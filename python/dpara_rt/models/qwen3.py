@@ -383,12 +383,11 @@ class Qwen3ForCausalLM(nn.Module):
         if ends is None:
             return None
         B, T = input_ids.shape
-        H, last = self.config.hidden_size, len(self.layers) - 1
+        H = self.config.hidden_size
         features, capture = _feature_columns(layer_ids, B * T, H, torch.float32)
         logits = torch.empty(B, T, self.lm_head.weight.shape[0])
         self._host.run_tokens(self.layers, self.config, ends, input_ids.contiguous(), positions.contiguous(), cache,
-                              {i: col for i, col in capture.items() if i != last}, capture.get(last, -1), features,
-                              logits, recheck)
+                              capture, features, logits, recheck)
         _copy_repeated_layers(features, layer_ids, capture, H)
         return logits, (features.view(B, T, -1) if features is not None else None)
 
@@ -401,11 +400,10 @@ class Qwen3ForCausalLM(nn.Module):
         ends = self._native_ends(cache, cache.max_len)
         if ends is None:
             return None
-        H, last = self.config.hidden_size, len(self.layers) - 1
+        H = self.config.hidden_size
         _, capture = _feature_columns(layer_ids, 0, H, torch.float32)
-        return self._host.verify_plan(self.layers, self.config, ends, cache,
-                                      {i: col for i, col in capture.items() if i != last}, capture.get(last, -1),
-                                      len(layer_ids) * H, self.lm_head.weight.shape[0])
+        return self._host.verify_plan(self.layers, self.config, ends, cache, capture, len(layer_ids) * H,
+                                      self.lm_head.weight.shape[0])
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
                      layer_ids: Sequence[int], recheck: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -419,8 +417,7 @@ class Qwen3ForCausalLM(nn.Module):
         cos, sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
         last = len(self.layers) - 1
         features, capture = _feature_columns(layer_ids, B * T, H, flat.dtype)
-        self._host.run_all(self.layers, self.config, flat, positions, cos, sin, cache,
-                           {i: col for i, col in capture.items() if i != last}, features, recheck)
+        self._host.run_all(self.layers, self.config, flat, positions, cos, sin, cache, capture, features, recheck)
         h = self._host.norm(self.norm, flat.view(B, T, H))
         if last in capture:  # the last layer's feature is taken after the final norm
             features[:, capture[last]:capture[last] + H] = h.view(B * T, H)
