@@ -1,4 +1,9 @@
 """HostLinear: the core's float32 host linear layer behind nn.Linear's interface (the target's projections)."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,6 +91,34 @@ def test_a_column_range_writes_those_columns_with_the_whole_products_bits(bf16_e
     assert torch.equal(whole, parts)
     with pytest.raises(ValueError, match=r"columns \[5, 200\) of n = 200, expected .*\(multiples of 32"):
         _core.host_linear(x.data_ptr(), rows, k, packed.data_ptr(), dtype, n, parts.data_ptr(), 5)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the helper has no other core to take")
+def test_the_helper_thread_takes_the_cores_its_first_caller_leaves():
+    """The helper of host_linear_two_threads runs on the process's cores other than the (pinned) thread that first
+    used it: left to the scheduler it was often woken on the caller's own core, and the two halves took turns."""
+    script = textwrap.dedent("""
+        import os, threading, torch
+        from dpara_rt import _core
+        from dpara_rt.models.host_linear import pack_weight
+        everything = os.sched_getaffinity(0)
+        mine = {min(everything)}
+        packed, dtype = pack_weight(torch.randn(1536, 256).bfloat16().float())
+        x, y = torch.randn(130, 256), torch.empty(130, 1536)
+        def prefill():  # on a thread pinned as a lane pins its own
+            os.sched_setaffinity(0, mine)
+            _core.host_linear_two_threads(x.data_ptr(), 130, 256, packed.data_ptr(), dtype, 1536, y.data_ptr())
+        lane = threading.Thread(target=prefill)
+        lane.start()
+        lane.join()
+        helpers = [int(t) for t in os.listdir("/proc/self/task")
+                   if open(f"/proc/self/task/{t}/comm").read().strip() == "dpara_rt-helper"]
+        assert len(helpers) == 1, helpers
+        print(sorted(os.sched_getaffinity(helpers[0])) == sorted(everything - mine))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
 
 
 def test_the_packed_copy_follows_the_weight():

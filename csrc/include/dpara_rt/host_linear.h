@@ -40,8 +40,9 @@ void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const v
                          std::int64_t n, std::int64_t col_begin, std::int64_t col_end, float* y, std::int64_t ldy);
 
 // host_linear over two threads, for products large enough to pay for the hand-off (a prompt's prefill): the
-// caller projects the first half of the panels and a helper thread of the core the rest. The helper may run on
-// any core the process may use (the lanes pin their own threads; nothing else runs during a prefill). The same
+// caller projects the first half of the panels and a helper thread of the core the rest. The helper runs on the
+// process's cores other than those of the thread that first called this (the target lane's), where any are left
+// (a drafter worker sleeps through a prefill), else on any of them; it is named "dpara_rt-helper". The same
 // bits as host_linear. Below the size, with the helper busy (another caller), on a single-core machine or with
 // DPARA_RT_HOST_THREADS=1 in the environment, the caller computes everything itself.
 void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, const void* packed,
