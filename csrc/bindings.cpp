@@ -533,7 +533,8 @@ PYBIND11_MODULE(_core, m) {
            }, py::arg("spin_s"), py::arg("timeout_s"),
            "The oldest message (bytes), spinning up to spin_s, then sleeping, for at most timeout_s; None then. "
            "Releases the GIL.")
-      .def("ready", &Mailbox::ready, "Whether a message is waiting.");
+      .def("ready", &Mailbox::ready, "Whether a message is waiting.")
+      .def_property_readonly("sleepers", &Mailbox::sleepers, "Sides asleep in a wait on it now (not spinning).");
   m.def("gumbel_noise_host", [](std::uintptr_t out_ptr, std::int64_t batch, int d, std::int64_t vocab,
                                 std::uint64_t seed, std::uint64_t offset) {
         py::gil_scoped_release nogil;

@@ -5,6 +5,10 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -176,6 +180,75 @@ def test_calls_and_replies_cross_in_shared_memory_not_the_pipe(pair, monkeypatch
         finally:
             w.close()
         assert not w.alive
+
+
+def test_the_worker_sleeps_after_a_decode_and_after_a_new_cache_instead_of_spinning(pair, monkeypatch):
+    """A worker spins for its next call only within a decode: after the call that starts one (a prefill follows, and
+    its second thread wants the worker's core) and after a decode ends, it sleeps at once. Spinning a minute, it would
+    still be awake here."""
+    w = DrafterWorker(pair[1], None, 1, spin_s=60.0)
+    calls = w._calls[0]
+
+    def asleep_soon() -> bool:  # the reader's sleep is registered on the calls mailbox
+        for _ in range(500):
+            if calls.sleepers == 1:
+                return True
+            time.sleep(0.002)
+        return False
+
+    try:
+        assert asleep_soon()  # after its first call, a ping
+        context = WorkerContext(w, 1, 64)
+        assert w.pending == ("new_cache",) and asleep_soon()
+        w.collect()
+        context.grow(1)  # a call of a decode: it spins for the next ...
+        time.sleep(0.05)
+        assert calls.sleepers == 0
+        context.rest()  # ... until the decode says it is over
+        assert asleep_soon()
+        w.collect()
+    finally:
+        w.close()
+
+
+def test_a_decode_ends_by_letting_the_worker_sleep(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=D, drafter_worker="process")
+    try:
+        eng.generate([[1, 2, 3]], 8)
+        assert eng._worker.pending[-1:] == ("rest",)  # dropped by the next decode
+        eng.generate([[4, 5, 6]], 8)
+        assert eng._worker.pending[-1:] == ("rest",)
+    finally:
+        eng.close()
+
+
+@pytest.mark.perf
+def test_a_spinning_reader_gives_its_core_to_a_thread_that_wants_it():
+    """On one core, a reader spinning for a message leaves the core to another thread that has work: the work takes
+    about as long as it does alone, not twice as long (the two time-slicing the core)."""
+    script = textwrap.dedent("""
+        import os, threading, time, mmap, torch
+        from dpara_rt import _core
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread; the reader below inherits it
+        mapping = mmap.mmap(-1, _core.Mailbox.bytes_for(4096))
+        box = _core.Mailbox(torch.frombuffer(mapping, dtype=torch.uint8).data_ptr(), 4096, True)
+        def work():
+            t = time.perf_counter()
+            sum(range(3_000_000))
+            return time.perf_counter() - t
+        alone = min(work() for _ in range(3))
+        reader = threading.Thread(target=lambda: box.pop(30.0, 60.0))  # spins all along
+        reader.start()
+        time.sleep(0.01)
+        beside = min(work() for _ in range(3))
+        box.push(b"done", 1.0)
+        reader.join()
+        print(beside / alone)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 1.4, out.stdout
 
 
 def test_buffers_not_in_shared_memory_are_refused(pair, worker):

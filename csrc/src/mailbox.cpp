@@ -10,6 +10,7 @@
 
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -32,6 +33,12 @@ using Clock = std::chrono::steady_clock;
 void pause() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
+#endif
+}
+
+void yield_core() {
+#if defined(__linux__)
+  sched_yield();
 #endif
 }
 
@@ -71,7 +78,12 @@ bool wait_until(std::atomic<std::uint32_t>& events, std::atomic<std::uint32_t>& 
     }
     const double elapsed = seconds_since(t0);
     if (elapsed >= timeout_s) return false;
-    if (elapsed < spin_s) continue;
+    if (elapsed < spin_s) {
+      // A spinner must not hold its core from another thread that wants it (the caller's own thread, woken
+      // on the worker's core, waited milliseconds for the spin to end, and the spinner for it to be seen).
+      yield_core();
+      continue;
+    }
     const std::uint32_t seen = events.load(std::memory_order_acquire);
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (!done()) sleep_on(events, seen, std::min(timeout_s - elapsed, 0.05));
@@ -112,6 +124,8 @@ Mailbox::Mailbox(void* memory, std::size_t capacity, bool create)
 bool Mailbox::ready() const {
   return header_->written.load(std::memory_order_acquire) != header_->consumed.load(std::memory_order_relaxed);
 }
+
+std::uint32_t Mailbox::sleepers() const { return header_->sleepers.load(std::memory_order_acquire); }
 
 bool Mailbox::push(const void* data, std::size_t bytes, double timeout_s) {
   const std::uint64_t need = 8 + (bytes + 7) / 8 * 8;  // messages start 8-byte aligned

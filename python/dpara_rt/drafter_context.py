@@ -293,6 +293,11 @@ class WorkerContext:
     def grow(self, batch: int) -> None:
         self.worker.call("grow", batch)
 
+    def rest(self) -> None:
+        """The decode is over: the worker sleeps after its last call instead of spinning for the next (which would
+        slow the next prefill's second thread on its core). The reply is dropped by the next decode."""
+        self.worker.post("rest")
+
     def settle(self) -> list[tuple[str, int, int]]:
         """Wait for the replies through the round's boundary (an absorb sent ahead for the next round stays in
         flight); the timeline spans of those and of any collected early."""
@@ -499,6 +504,9 @@ class _Worker:
     def ping(self):
         return os.getpid()
 
+    def rest(self) -> None:
+        """The decode is over: nothing to do but stop spinning (_SLEEP_AFTER)."""
+
     def new_cache(self, batch: int, max_len: int) -> None:
         self.cache = self.drafter.new_context_cache(batch, max_len)
 
@@ -630,6 +638,11 @@ def _answer(replies, worker: _Worker, conn, op: str, args: tuple, parent: int) -
             return
 
 
+# Calls after which the next comes milliseconds later or never (a decode's prefill runs in between, whose second
+# thread takes this core; `rest` ends a decode): the worker sleeps at once rather than spin.
+_SLEEP_AFTER = frozenset({"new_cache", "ping", "map_buffers", "rest"})
+
+
 def _serve(conn, drafter, cores, threads: int) -> None:
     """The worker process's loop: one call at a time from the calls mailbox, each answered in the replies one."""
     if cores is not None and hasattr(os, "sched_setaffinity"):
@@ -641,9 +654,10 @@ def _serve(conn, drafter, cores, threads: int) -> None:
         calls, replies, spin_s, _keep = _attach(conn)
     except (EOFError, OSError):
         os._exit(0)
+    spin = 0.0
     with torch.inference_mode():
         while True:
-            raw = calls.pop(spin_s, 1.0)
+            raw = calls.pop(spin, 1.0)
             if raw is None:
                 if os.getppid() != parent:  # the caller died without an exit call
                     break
@@ -652,6 +666,7 @@ def _serve(conn, drafter, cores, threads: int) -> None:
             if op == "exit":
                 break
             _answer(replies, worker, conn, op, args, parent)
+            spin = 0.0 if op in _SLEEP_AFTER else spin_s
     conn.close()
     os._exit(0)  # skip atexit handlers inherited through imports (the core's lane drain has no lanes here)
 

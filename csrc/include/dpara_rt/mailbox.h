@@ -2,7 +2,8 @@
 // A one-way queue of messages (byte strings) between two processes over shared memory: one producer, one
 // consumer. A drafter worker process gets its calls through one and answers through another. A pipe costs each
 // message two system calls at least and wakes a sleeping reader through the scheduler; here a message is a copy
-// and a counter, and a reader that waits spins first (its core is its own), sleeping on a futex only after that.
+// and a counter, and a reader that waits spins first (its core is its own; it yields the core to any other thread
+// that wants it), sleeping on a futex only after that.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +32,9 @@ class Mailbox {
 
   // Whether a message is waiting.
   bool ready() const;
+
+  // Sides asleep in a wait on this mailbox now (not spinning): 0, 1 or 2.
+  std::uint32_t sleepers() const;
 
  private:
   struct Header;

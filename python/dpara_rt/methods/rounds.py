@@ -417,6 +417,11 @@ class Decoder:
             self._release(self.head_lane, "features", phase)
         self.ring.mark_ready(slot, self.head_lane.record())
 
+    def _rest(self) -> None:
+        """The decode is over: a drafter worker stops spinning for a next call."""
+        if self.context is not None and self.context.remote:
+            self.context.rest()
+
     def fill_boundary(self, draft: Draft, slot: int, noise: tuple | None = None) -> None:
         """Drafter lane, beside verification: boundary logits of every outcome of `draft` into ring slot `slot`
         (and the planned noise of the head that reads it)."""
@@ -586,11 +591,11 @@ class Decoder:
                 method(self, first)
                 yield from self.chain.drain()
             if self.admission is None:
-                return
+                return self._rest()
             self._settle()  # a backbone sent for the paused round: nobody reads its slot (readmit resets the ring)
             first, self.paused = self.admission.readmit(self, self.paused), None
             if first is None:
-                return
+                return self._rest()
             self.chain.restart()
             yield first.tokens
 
