@@ -500,7 +500,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("misses", [](MarkovBiasCache& c) {
              std::lock_guard<std::mutex> lock(c.mutex());
              return c.misses();
-           }, "Steps that computed their token's row.");
+           }, "Steps that computed their token's row.")
+      .def("fill", [](MarkovBiasCache& c, const I64Array& tokens) {
+             if (tokens.ndim() != 1)
+               throw py::value_error("tokens must have shape (n,) (token ids), got " + shape_str(tokens));
+             const std::int64_t n = tokens.shape(0);
+             const std::int64_t* data = tokens.data();
+             py::gil_scoped_release nogil;
+             markov_bias_fill(c, data, n);
+           }, py::arg("tokens"),
+           "Compute the rows of tokens [n] (int64) not held yet, as the steps would: see markov_bias_fill.");
   // The memory is a mapping that dpara_rt.drafter_context keeps alive beside the object, in both processes.
   py::class_<Mailbox>(m, "Mailbox",
                       "A one-way queue of byte messages between two processes over shared memory (one writer, "

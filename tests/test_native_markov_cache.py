@@ -95,3 +95,52 @@ def test_cache_arguments_are_checked():
         _core.markov_head_host(boundary.data_ptr(), "float32", 1, 1, 2, 50, np.zeros(1, dtype=np.int64),
                                np.zeros(1, dtype=np.int64), w1b.data_ptr(), w2.data_ptr(), 4, 0.0, 0, 0, draft, 0,
                                cache=other)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_room_for_every_row_makes_a_table_computed_when_the_head_is_built(temperature):
+    """A head whose cache holds all V rows computes them as it is built (markov_bias_fill): its calls then only find
+    rows, never compute one, and draft (and q) as the head without a cache does, bit for bit."""
+    vocab, rank = 300, 10
+    w1, w2 = _factors(vocab, rank, seed=7)
+    plain, table = HostMarkovHead(w1, w2), HostMarkovHead(w1, w2, cache_bytes=4 * vocab * vocab)
+    assert table.cache.capacity == vocab and (table.cache.hits, table.cache.misses) == (0, 0)
+    for i, (boundary, r, bonus) in enumerate(_calls(3, vocab, list(range(0, vocab, 7)), 5, torch.float32, seed=8)):
+        draft, q = table(boundary, r, bonus, temperature, SEED, i)
+        want, q_want = plain(boundary, r, bonus, temperature, SEED, i)
+        assert torch.equal(draft, want)
+        if temperature:
+            assert torch.equal(q, q_want)
+    assert table.cache.misses == 0 and table.cache.hits == 5 * 3 * 5
+
+
+def test_fill_computes_the_rows_a_step_would_and_keeps_the_last_ones_it_has_room_for():
+    vocab, rank = 200, 6
+    w1, w2 = _factors(vocab, rank, seed=9)
+    cache = _core.MarkovBiasCache(w1.data_ptr(), w2.data_ptr(), vocab, rank, 40)
+    tokens = np.array([5, 5, *range(100, 150)], dtype=np.int64)  # a repeat, and more tokens than rows
+    cache.fill(tokens)
+    head = HostMarkovHead(w1, w2)
+    head.cache = cache  # the filled rows, used by a head's calls
+    # the last 40 tokens are kept: a one-step call from each finds its row, and one from an earlier one does not
+    one_step, r = torch.randn(1, 1, 1, vocab), torch.zeros(1, dtype=torch.long)
+    for t in range(110, 150):
+        head(one_step, r, torch.tensor([t]))
+    assert (cache.hits, cache.misses) == (40, 0)
+    head(one_step, r, torch.tensor([100]))
+    assert (cache.hits, cache.misses) == (40, 1)
+    for boundary, r, bonus in _calls(1, vocab, list(range(110, 150)), 6, torch.float32, seed=10):
+        assert torch.equal(head(boundary, r, bonus)[0], HostMarkovHead(w1, w2)(boundary, r, bonus)[0])
+    with pytest.raises(ValueError, match=r"markov_bias_fill: tokens\[1\] = 200, expected 0..199"):
+        cache.fill(np.array([3, 200], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"tokens must have shape \(n,\)"):
+        cache.fill(np.zeros((2, 2), dtype=np.int64))
+
+
+def test_a_decodes_head_keeps_a_table_where_it_fits_and_a_cache_elsewhere():
+    from dpara_rt import ops
+    assert ops.markov_bias_bytes(8192) == 4 * 8192 * 8192 <= ops.MARKOV_BIAS_TABLE_BYTES
+    assert ops.markov_bias_bytes(151936) == ops.MARKOV_BIAS_CACHE_BYTES
+    w1, w2 = _factors(64, 4, seed=11)
+    head = ops.markov_head_for(w1, w2)
+    assert head.cache.capacity == 64 and head.cache.misses == 0

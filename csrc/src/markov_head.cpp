@@ -580,4 +580,32 @@ void markov_q_host(const void* boundary, DType boundary_dtype, std::int64_t batc
            nullptr, q_out, nullptr, DType::float32, nullptr, nullptr, draft, usable_cache(cache, w1, w2, vocab, rank, batch));
 }
 
+void markov_bias_fill(MarkovBiasCache& cache, const std::int64_t* tokens, std::int64_t n) {
+  constexpr const char* what = "markov_bias_fill: ";
+  if (n < 0) detail::value_error(what, "n = ", n, ", expected >= 0");
+  if (n > 0 && !tokens) detail::value_error(what, "tokens is null with n = ", n, ", expected n token ids");
+  const std::int64_t vocab = cache.vocab(), rank = cache.rank();
+  for (std::int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab)
+      detail::value_error(what, "tokens[", i, "] = ", tokens[i], ", expected 0..", vocab - 1, " (the cache's vocab)");
+  std::lock_guard<std::mutex> lock(cache.mutex());
+  // Blocks of up to kBlockRows (and no more than the cache holds) computed together, W2 streamed once per block:
+  // the rows of the tiles and rounding of cached_step's fill, so a step finds the bits it would compute.
+  const std::int64_t block = std::min<std::int64_t>(kBlockRows, cache.capacity());
+  RowState rows[kBlockRows];
+  float* fill[kBlockRows];
+  for (std::int64_t i = 0; i < n;) {
+    cache.begin_step();
+    int count = 0;
+    for (; i < n && count < block; ++i) {
+      if (cache.holds(tokens[i])) continue;
+      fill[count] = cache.claim(tokens[i]);
+      rows[count++].a = cache.w1() + tokens[i] * rank;
+    }
+    if (count == 0) continue;
+    const std::int64_t tile = std::min(kTile, kAccFloats / count / 8 * 8);
+    bias_rows(rows, fill, count, tile, cache.w2(), rank, vocab);
+  }
+}
+
 }  // namespace dpara_rt

@@ -13,6 +13,7 @@ import math
 import numbers
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from dpara_rt import _core
@@ -91,7 +92,8 @@ class HostMarkovHead:
     """The native head bound to one pair of factors, checked once: a decode drafts with the same W1 / W2 every
     round, so each call checks only the boundary, indices and sampling arguments it is given (the core checks
     every extent and index again). ``bound`` (``markov_bound(w2)``, or True to build it) lets greedy steps
-    compute exact values only for the tokens in reach of the arg-max: same drafts, less work."""
+    compute exact values only for the tokens in reach of the arg-max: same drafts, less work. ``cache_bytes``: room
+    for bias rows kept across calls (0: none); room for all V rows makes them a table, computed here."""
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor, bound: MarkovBound | bool | None = None,
                  cache_bytes: int = 0):
@@ -110,9 +112,14 @@ class HostMarkovHead:
         if not isinstance(cache_bytes, numbers.Integral) or cache_bytes < 0:
             raise ValueError(f"cache_bytes = {cache_bytes!r}, expected an int >= 0 (0: no bias cache)")
         # Bias rows W1[x] @ W2 kept across calls (a step from a kept token skips its W2 product): at least a
-        # block of rows (32) per call, so that every request of a batch can hold its own.
+        # block of rows (32) per call, so that every request of a batch can hold its own. Room for every token's
+        # row makes it a table, computed here: no step of a decode computes one then.
         rows = max(32, cache_bytes // (4 * vocab)) if cache_bytes else 0
+        if rows >= vocab:
+            rows = max(32, vocab)
         self.cache = _core.MarkovBiasCache(w1.data_ptr(), w2.data_ptr(), vocab, rank, rows) if rows else None
+        if rows >= vocab:
+            self.cache.fill(np.arange(vocab, dtype=np.int64))
 
     def __call__(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
                  seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None, with_q: bool = True):

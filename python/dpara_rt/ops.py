@@ -185,8 +185,18 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
     return markov_head_reference(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
 
 
-# The host head's bias cache (native.HostMarkovHead): 32 MiB holds 1024 rows at V = 8192, and 55 at V = 151936.
+# The host head's bias rows (native.HostMarkovHead): every token's, computed once as the head is built, where the
+# table fits in MARKOV_BIAS_TABLE_BYTES (V <= 8192; about 0.3 s at V = 8192); else a cache of the rows drafted
+# from lately, MARKOV_BIAS_CACHE_BYTES (1024 rows at V = 8192, 55 at V = 151936). At V = 8192 the cache alone
+# left about 0.3 rows a call to compute on the critical path, each about 175 us right after a verify.
+MARKOV_BIAS_TABLE_BYTES = 256 << 20
 MARKOV_BIAS_CACHE_BYTES = 32 << 20
+
+
+def markov_bias_bytes(vocab: int) -> int:
+    """The bias rows' budget of a host head over `vocab` tokens: the whole table where it fits, else the cache."""
+    table = 4 * vocab * vocab
+    return table if table <= MARKOV_BIAS_TABLE_BYTES else MARKOV_BIAS_CACHE_BYTES
 
 
 def markov_head_for(w1, w2):
@@ -195,7 +205,7 @@ def markov_head_for(w1, w2):
     cache kept across calls (native.HostMarkovHead). No greedy bound: every step of a head with a cache takes its
     bias from the cache, so the bound would never be read. Elsewhere markov_head itself."""
     if backend(w1.device) == "host" and w1.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
-        return HostMarkovHead(w1.contiguous(), w2.contiguous(), cache_bytes=MARKOV_BIAS_CACHE_BYTES)
+        return HostMarkovHead(w1.contiguous(), w2.contiguous(), cache_bytes=markov_bias_bytes(w1.shape[0]))
     return lambda boundary, r, bonus, temperature=0.0, seed=0, offset=0: markov_head(
         boundary, r, bonus, w1, w2, temperature, seed, offset)
 

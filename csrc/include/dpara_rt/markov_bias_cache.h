@@ -32,6 +32,8 @@ class MarkovBiasCache {
   void begin_step() { ++clock_; }
   // Token x's row, or null when it is not kept. Counts a hit or a miss.
   const float* find(std::int64_t x);
+  // Whether token x's row is kept (counts nothing, marks nothing).
+  bool holds(std::int64_t x) const { return slot_of_[std::size_t(x)] >= 0; }
   // A row for token x (not kept), replacing the least recently used row that the current step has not used;
   // the caller fills it before the step reads it. Errors when every row is in use by the current step.
   float* claim(std::int64_t x);
