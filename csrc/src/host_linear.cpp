@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -369,23 +370,49 @@ class Helper {
 
   bool try_start(std::function<void()> job) {
     if (busy_.exchange(true)) return false;
-    {
+    job_ = std::move(job);  // read by the helper only once it sees the new count
+    posted_.fetch_add(1, std::memory_order_seq_cst);
+    if (helper_asleep_.load(std::memory_order_seq_cst)) {
       std::lock_guard<std::mutex> lk(mu_);
-      job_ = std::move(job);
-      done_ = false;
+      cv_.notify_one();
     }
-    cv_.notify_one();
     return true;
   }
 
   void wait() {
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [this] { return done_; });
+    const std::uint64_t job = posted_.load(std::memory_order_relaxed);
+    const auto done = [&] { return finished_.load(std::memory_order_acquire) == job; };
+    if (!spin_until(done, kWaitSpin)) {
+      std::unique_lock<std::mutex> lk(mu_);
+      caller_asleep_.store(true, std::memory_order_seq_cst);
+      done_cv_.wait(lk, done);
+      caller_asleep_.store(false, std::memory_order_relaxed);
+    }
     job_ = nullptr;
     busy_.store(false);
   }
 
  private:
+  // A prefill hands the helper about four products a layer, a few hundred microseconds apart: each side spins for
+  // the other (yielding its core to any thread that wants it) before it sleeps. Woken through the condition
+  // variables each time, the hand-offs had cost a prefill of 129 tokens 1.5 of its 6.9 ms.
+  static constexpr double kWaitSpin = 2e-3, kIdleSpin = 1e-3;
+
+  template <class Done>
+  static bool spin_until(Done done, double seconds) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 1; !done(); ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      if (i % 64 == 0) {
+        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) return false;
+        std::this_thread::yield();
+      }
+    }
+    return true;
+  }
+
   Helper() : pid_(getpid()) {
 #ifdef __linux__
     // The process's cores but those of the (pinned) lane thread that starts it, where any are left: the caller
@@ -407,14 +434,22 @@ class Helper {
     pthread_setname_np(pthread_self(), "dpara_rt-helper");  // what a profiler or a test finds it by
     if (CPU_COUNT(&cores_) > 0) sched_setaffinity(0, sizeof cores_, &cores_);
 #endif
-    std::unique_lock<std::mutex> lk(mu_);
+    std::uint64_t seen = 0;
     for (;;) {
-      cv_.wait(lk, [this] { return job_ && !done_; });
-      lk.unlock();
+      const auto posted = [&] { return posted_.load(std::memory_order_seq_cst) != seen; };
+      if (!spin_until(posted, kIdleSpin)) {
+        std::unique_lock<std::mutex> lk(mu_);
+        helper_asleep_.store(true, std::memory_order_seq_cst);
+        cv_.wait(lk, posted);
+        helper_asleep_.store(false, std::memory_order_relaxed);
+      }
+      seen = posted_.load(std::memory_order_acquire);
       job_();
-      lk.lock();
-      done_ = true;
-      done_cv_.notify_one();
+      finished_.store(seen, std::memory_order_seq_cst);
+      if (caller_asleep_.load(std::memory_order_seq_cst)) {
+        std::lock_guard<std::mutex> lk(mu_);
+        done_cv_.notify_one();
+      }
     }
   }
 
@@ -423,10 +458,11 @@ class Helper {
   cpu_set_t cores_;
 #endif
   std::atomic<bool> busy_{false};
+  std::atomic<std::uint64_t> posted_{0}, finished_{0};  // jobs handed over / done, in order
+  std::atomic<bool> helper_asleep_{false}, caller_asleep_{false};
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::function<void()> job_;
-  bool done_ = true;
 };
 
 }  // namespace
