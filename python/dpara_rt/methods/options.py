@@ -1,6 +1,7 @@
 """What one decode call runs with: ``DecodeOptions`` (the engine's defaults overridden per call) and its checks."""
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
@@ -94,7 +95,7 @@ class DecodeOptions:
         if self.dpara_ring not in RING_CONTENTS:
             raise ValueError(f"dpara_ring {self.dpara_ring!r}; expected one of {RING_CONTENTS}")
 
-    @property
+    @functools.cached_property  # asked several times a round; the options are frozen
     def sampling(self) -> bool:
         """Whether any request samples (the others are greedy rows of a sampled batch)."""
         temps = self.temperature if isinstance(self.temperature, tuple) else (self.temperature,)

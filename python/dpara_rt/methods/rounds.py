@@ -72,15 +72,17 @@ class Outcome:
     running: Tensor           # [B] bool, after this round
     ready: _core.Event        # target lane, after features and (r, bonus) were staged
     pause: bool = False       # continuous batching: the chain stops here so that waiting requests join
+    any_running: bool | None = None  # running.any(), where the caller knows it (None: computed when asked)
 
     @property
     def phase(self) -> int:
         return self.round % 2
 
-    @functools.cached_property  # asked by several links of a round; running is a host tensor
+    @property  # asked by several links of a round, right after a verify: a field, not a numpy reduction
     def finished(self) -> bool:
         """Whether the method's chain ends at this round (every request finished, or a pause to admit)."""
-        return self.pause or not self.running.numpy().any()
+        live = self.running.numpy().any() if self.any_running is None else self.any_running
+        return self.pause or not live
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
@@ -562,7 +564,7 @@ class Decoder:
             self._stage(self.target_lane, "rb", torch.stack([r_t, bonus_t], 1).to(torch.int32), rnd % 2)
         self.chain.round = rnd
         return Outcome(rnd, r_t, bonus_t, tokens, verified.features, keep_t, self.running_mask(),
-                       self.target_lane.record())
+                       self.target_lane.record(), any_running=self.state.num_running() > 0)
 
     def verify_and_accept(self, draft: Draft, slot: int = -1) -> Outcome:
         """Target-lane link: verify, commit, and hand the round's tokens to the consumer."""

@@ -100,7 +100,8 @@ class TargetBase:
             torch.as_tensor(n, dtype=torch.long).cpu().numpy()
         if a.shape != (self.batch,):
             raise ValueError(f"commit counts shape {a.shape}; expected ({self.batch},)")
-        if a.size and (a.min() < 0 or a.max() > self._last_t):
+        counts = a.tolist()  # a batch's few counts: Python's min and max, not numpy's reductions
+        if counts and (min(counts) < 0 or max(counts) > self._last_t):
             bad = np.flatnonzero((a < 0) | (a > self._last_t)).tolist()
             raise ValueError(f"commit counts {a.tolist()}: rows {bad} outside [0, {self._last_t}] "
                              "(the T of the last verify not yet committed)")
