@@ -161,6 +161,49 @@ DPARA_RT_INLINE void values_add(const float* p, const float* v, std::int64_t s0,
   }
 }
 
+// Sixteen floats: one zmm register in attention's AVX-512 clone, two ymm in the others.
+typedef float F16 __attribute__((vector_size(64)));
+DPARA_RT_INLINE F16 load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+DPARA_RT_INLINE void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
+
+// values_chunks for two queries over the same keys (the heads of a group reading one token's keys): each value
+// row is loaded once for both, and the 2C sums (C of 16 floats each) are independent chains that keep the FMA
+// units busy, where one query's 64 dims were one chain per 8 floats. Per element the sum of values_chunks.
+template <int C>
+DPARA_RT_INLINE void values_chunks2(const float* pa, const float* pb, const float* v, std::int64_t s0, std::int64_t s1,
+                                    std::int64_t d, float* acc_a, float* acc_b) {
+  F16 a[C], b[C];
+  for (int c = 0; c < C; ++c) a[c] = load16(acc_a + 16 * c), b[c] = load16(acc_b + 16 * c);
+  for (std::int64_t s = s0; s < s1; ++s) {
+    const float* vs = v + s * d;
+    for (int c = 0; c < C; ++c) {
+      const F16 w = load16(vs + 16 * c);
+      a[c] += pa[s] * w;
+      b[c] += pb[s] * w;
+    }
+  }
+  for (int c = 0; c < C; ++c) store16(acc_a + 16 * c, a[c]), store16(acc_b + 16 * c, b[c]);
+}
+
+// values_add for two queries over the same keys (d % 16 == 0).
+DPARA_RT_INLINE void values_add2(const float* pa, const float* pb, const float* v, std::int64_t s0, std::int64_t s1,
+                                 std::int64_t d, float* acc_a, float* acc_b) {
+  for (std::int64_t i0 = 0; i0 < d; i0 += 64) {
+    const float* vi = v + i0;
+    float *ai = acc_a + i0, *bi = acc_b + i0;
+    switch (std::min<std::int64_t>(64, d - i0) / 16) {
+      case 4: values_chunks2<4>(pa, pb, vi, s0, s1, d, ai, bi); break;
+      case 3: values_chunks2<3>(pa, pb, vi, s0, s1, d, ai, bi); break;
+      case 2: values_chunks2<2>(pa, pb, vi, s0, s1, d, ai, bi); break;
+      default: values_chunks2<1>(pa, pb, vi, s0, s1, d, ai, bi); break;
+    }
+  }
+}
+
 // o[0..d) = sum_s p[s] v_s / total.
 DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64_t keys, std::int64_t d,
                                       float total, float* o) {
@@ -182,8 +225,16 @@ DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64
 // share a KV head (a row's tokens times the heads of its group) go through its keys and values together, a block at
 // a time, so each block is read from memory once and from L1 by the others; every query's values are still the
 // sums of one query alone (per key the same score, per output the same order).
-DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
-                            const std::int64_t* positions, const HostKVLayer& cache, float* out) {
+// Attention alone also gets an AVX-512 clone: its paired value sums take 16 floats a register (the arithmetic
+// per element is the same in every clone).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define DPARA_RT_ATTENTION_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DPARA_RT_ATTENTION_HOT
+#endif
+
+DPARA_RT_ATTENTION_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
+                                      const std::int64_t* positions, const HostKVLayer& cache, float* out) {
   const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   if (d % 8 != 0) {  // one query at a time
@@ -223,10 +274,17 @@ DPARA_RT_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int6
       for (std::int64_t i = 0; i < nq; ++i)
         totals[i] = softmax_unnormalised(scores.data() + i * cache.max_len, keys[i]);
       for (std::int64_t s0 = 0; s0 < most; s0 += kValueBlock)
-        for (std::int64_t i = 0; i < nq; ++i)
-          if (s0 < keys[i])
-            values_add(scores.data() + i * cache.max_len, v, s0, std::min(keys[i], s0 + kValueBlock), d,
-                       acc.data() + i * d);
+        for (std::int64_t i = 0; i < nq;) {
+          const std::int64_t s1 = std::min(keys[i], s0 + kValueBlock);
+          const float* p = scores.data() + i * cache.max_len;
+          if (i + 1 < nq && keys[i + 1] == keys[i] && d % 16 == 0) {  // two heads of one token
+            if (s0 < s1) values_add2(p, p + cache.max_len, v, s0, s1, d, acc.data() + i * d, acc.data() + (i + 1) * d);
+            i += 2;
+          } else {
+            if (s0 < s1) values_add(p, v, s0, s1, d, acc.data() + i * d);
+            i += 1;
+          }
+        }
       for (std::int64_t i = 0; i < nq; ++i) {
         const float inv = 1.0f / totals[i];
         float* o = out + (b * t + i / group) * dm.heads * d + (g * group + i % group) * d;
