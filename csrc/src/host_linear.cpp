@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +17,7 @@
 #include <sched.h>
 #endif
 
+#include "spin.h"
 #include "util.h"
 
 // Compiled per CPU level (GCC function multiversioning, picked at load time): AVX-512 (x86-64-v4) keeps the
@@ -382,7 +382,7 @@ class Helper {
   void wait() {
     const std::uint64_t job = posted_.load(std::memory_order_relaxed);
     const auto done = [&] { return finished_.load(std::memory_order_acquire) == job; };
-    if (!spin_until(done, kWaitSpin)) {
+    if (!detail::spin_until(done, kWaitSpin)) {
       std::unique_lock<std::mutex> lk(mu_);
       caller_asleep_.store(true, std::memory_order_seq_cst);
       done_cv_.wait(lk, done);
@@ -397,21 +397,6 @@ class Helper {
   // the other (yielding its core to any thread that wants it) before it sleeps. Woken through the condition
   // variables each time, the hand-offs had cost a prefill of 129 tokens 1.5 of its 6.9 ms.
   static constexpr double kWaitSpin = 2e-3, kIdleSpin = 1e-3;
-
-  template <class Done>
-  static bool spin_until(Done done, double seconds) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 1; !done(); ++i) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-      if (i % 64 == 0) {
-        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) return false;
-        std::this_thread::yield();
-      }
-    }
-    return true;
-  }
 
   Helper() : pid_(getpid()) {
 #ifdef __linux__
@@ -437,7 +422,7 @@ class Helper {
     std::uint64_t seen = 0;
     for (;;) {
       const auto posted = [&] { return posted_.load(std::memory_order_seq_cst) != seen; };
-      if (!spin_until(posted, kIdleSpin)) {
+      if (!detail::spin_until(posted, kIdleSpin)) {
         std::unique_lock<std::mutex> lk(mu_);
         helper_asleep_.store(true, std::memory_order_seq_cst);
         cv_.wait(lk, posted);

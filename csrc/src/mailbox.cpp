@@ -6,11 +6,11 @@
 #include <cstring>
 #include <new>
 
+#include "spin.h"
 #include "util.h"
 
 #if defined(__linux__)
 #include <linux/futex.h>
-#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -29,18 +29,6 @@ struct Mailbox::Header {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-void yield_core() {
-#if defined(__linux__)
-  sched_yield();
-#endif
-}
 
 // Sleep on word while it holds `seen`, at most `seconds` (a spurious or early wake-up is fine: callers re-check).
 void sleep_on(std::atomic<std::uint32_t>& word, std::uint32_t seen, double seconds) {
@@ -66,24 +54,15 @@ void wake_all(std::atomic<std::uint32_t>& word) {
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Wait until done() holds: spin for spin_s, then sleep on h.events in slices until timeout_s (both from t0).
+// Wait until done() holds: spin for spin_s, then sleep on h.events in slices until timeout_s (both from the call).
 template <class Done>
 bool wait_until(std::atomic<std::uint32_t>& events, std::atomic<std::uint32_t>& sleepers, Done done, double spin_s,
                 double timeout_s) {
   const auto t0 = Clock::now();
-  for (int i = 0; !done(); ++i) {
-    if ((i & 63) != 63) {
-      pause();
-      continue;
-    }
+  if (detail::spin_until(done, std::min(spin_s, timeout_s))) return true;
+  while (!done()) {
     const double elapsed = seconds_since(t0);
     if (elapsed >= timeout_s) return false;
-    if (elapsed < spin_s) {
-      // A spinner must not hold its core from another thread that wants it (the caller's own thread, woken
-      // on the worker's core, waited milliseconds for the spin to end, and the spinner for it to be seen).
-      yield_core();
-      continue;
-    }
     const std::uint32_t seen = events.load(std::memory_order_acquire);
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (!done()) sleep_on(events, seen, std::min(timeout_s - elapsed, 0.05));

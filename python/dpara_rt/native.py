@@ -115,10 +115,11 @@ class HostMarkovHead:
         # block of rows (32) per call, so that every request of a batch can hold its own. Room for every token's
         # row makes it a table, computed here: no step of a decode computes one then.
         rows = max(32, cache_bytes // (4 * vocab)) if cache_bytes else 0
-        if rows >= vocab:
+        table = rows >= vocab
+        if table:
             rows = max(32, vocab)
         self.cache = _core.MarkovBiasCache(w1.data_ptr(), w2.data_ptr(), vocab, rank, rows) if rows else None
-        if rows >= vocab:
+        if table:
             self.cache.fill(np.arange(vocab, dtype=np.int64))
 
     def __call__(self, boundary: torch.Tensor, r: torch.Tensor, bonus: torch.Tensor, temperature: float = 0.0,
