@@ -65,8 +65,9 @@ def test_a_verified_token_gets_the_logits_of_decoding_it_alone():
 
 
 def test_a_prefill_on_two_threads_gives_each_token_its_decode_logits():
-    """A prompt's prefill (32 or more tokens a row) splits its products over two threads; its last token's logits
-    are still bit for bit those of decoding the prompt one token at a time."""
+    """A prompt's prefill (32 or more tokens a row) splits its products, its attention (a KV head each) and its SiLU
+    over two threads; its last token's logits are still bit for bit those of decoding the prompt one token at a
+    time."""
     cfg = Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0)
     model = Qwen3ForCausalLM(cfg).eval()  # wide enough that a 40-token prefill's products take the helper

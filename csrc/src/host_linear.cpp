@@ -18,6 +18,7 @@
 #endif
 
 #include "spin.h"
+#include "two_parts.h"
 #include "util.h"
 
 // Compiled per CPU level (GCC function multiversioning, picked at load time): AVX-512 (x86-64-v4) keeps the
@@ -451,6 +452,22 @@ class Helper {
 };
 
 }  // namespace
+
+void host_two_parts(const std::function<void(int)>& part) {
+  Helper* helper = Helper::get();
+  if (helper == nullptr || !helper->try_start([&part] { part(1); })) {
+    part(0);
+    part(1);
+    return;
+  }
+  try {
+    part(0);
+  } catch (...) {
+    helper->wait();  // part(1) still reads the caller's frame
+    throw;
+  }
+  helper->wait();
+}
 
 void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, const void* packed,
                              DType packed_dtype, std::int64_t n, float* y) {

@@ -5,25 +5,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "dpara_rt/host_linear.h"
 #include "dpara_rt/verify.h"
+#include "host_attention.h"
 #include "markov_head_math.h"  // F8, exp_nonpositive(8), DPARA_RT_HOT / DPARA_RT_INLINE
+#include "two_parts.h"
 #include "util.h"
 
 namespace dpara_rt {
 namespace {
 
-// Sum of a[i] * b[i] in a fixed order: eight lanes, a fixed tree, then the tail.
-DPARA_RT_INLINE float dot(const float* a, const float* b, std::int64_t n) {
-  F8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
-  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+using detail::attention;
+using detail::block_attention;
+using detail::dot;
+using detail::Scratch;
+using detail::scratch;
 
 // out = w * (x * rsqrt(mean(x^2) + eps)), the float32 RMSNorm of models/qwen3.py.
 DPARA_RT_INLINE void rms_norm(const float* x, const float* w, std::int64_t n, float eps, float* out) {
@@ -68,266 +67,6 @@ DPARA_RT_HOT void qk_rope_store(const HostQwen3Dims& dm, const HostQwen3Weights&
         std::memcpy(cache.v + slot, v + g * d, sizeof(float) * d);
       }
     }
-}
-
-DPARA_RT_INLINE float lane_sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-// (x0 + x4, x1 + x5, x2 + x6, x3 + x7, y0 + y4, y1 + y5, y2 + y6, y3 + y7)
-DPARA_RT_INLINE F8 half_sums(F8 x, F8 y) {
-  return __builtin_shuffle(x, y, I8{0, 1, 2, 3, 8, 9, 10, 11}) +
-         __builtin_shuffle(x, y, I8{4, 5, 6, 7, 12, 13, 14, 15});
-}
-// (x0 + x1, x2 + x3, x4 + x5, x6 + x7, y0 + y1, y2 + y3, y4 + y5, y6 + y7)
-DPARA_RT_INLINE F8 pair_sums(F8 x, F8 y) {
-  return __builtin_shuffle(x, y, I8{0, 2, 4, 6, 8, 10, 12, 14}) +
-         __builtin_shuffle(x, y, I8{1, 3, 5, 7, 9, 11, 13, 15});
-}
-
-// The scores q . k_j of eight keys k[j * d ..] (d % 8 == 0) in one vector: each key's sum as dot()'s (its lanes over
-// the chunks in order, then lane_sum's tree ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7))), the eight trees walked
-// together by lane shuffles instead of one horizontal sum per key. Same bits as dot(), per key.
-DPARA_RT_INLINE F8 scores8(const float* q, const float* k, std::int64_t d) {
-  F8 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = F8{0, 0, 0, 0, 0, 0, 0, 0};
-  for (std::int64_t i = 0; i < d; i += 8) {
-    const F8 qv = load8(q + i);
-    for (int j = 0; j < 8; ++j) a[j] += qv * load8(k + j * d + i);
-  }
-  const F8 first = pair_sums(half_sums(a[0], a[1]), half_sums(a[2], a[3]));  // per key: (0+4)+(1+5), (2+6)+(3+7)
-  const F8 second = pair_sums(half_sums(a[4], a[5]), half_sums(a[6], a[7]));
-  return pair_sums(first, second);
-}
-
-// scores[s] = q . k_s * scale for s < keys, each key's sum the same as dot()'s, so a score does not depend on its
-// neighbours.
-DPARA_RT_INLINE void attention_scores(const float* q, const float* k, std::int64_t keys, std::int64_t d,
-                                      float scale, float* scores) {
-  std::int64_t s = 0;
-  if (d % 8 == 0)
-    for (; s + 8 <= keys; s += 8) store8(scores + s, scores8(q, k + s * d, d) * scale);
-  for (; s < keys; ++s) scores[s] = dot(q, k + s * d, d) * scale;
-}
-
-// softmax(scores[0..keys)) in place; returns nothing: the weights are left unnormalised and their sum returned.
-DPARA_RT_INLINE float softmax_unnormalised(float* scores, std::int64_t keys) {
-  F8 top8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-  std::int64_t s = 0;
-  for (; s + 8 <= keys; s += 8) {
-    const F8 v = load8(scores + s);
-    top8 = v > top8 ? v : top8;
-  }
-  float top = std::max(std::max(std::max(top8[0], top8[1]), std::max(top8[2], top8[3])),
-                       std::max(std::max(top8[4], top8[5]), std::max(top8[6], top8[7])));
-  for (; s < keys; ++s) top = std::max(top, scores[s]);
-  for (s = 0; s + 8 <= keys; s += 8) store8(scores + s, exp_nonpositive8(load8(scores + s) - top));
-  for (; s < keys; ++s) scores[s] = exp_nonpositive(scores[s] - top);
-  F8 sum8 = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (s = 0; s + 8 <= keys; s += 8) sum8 += load8(scores + s);
-  float total = lane_sum(sum8);
-  for (; s < keys; ++s) total += scores[s];
-  return total;
-}
-
-// acc[0..8C) += sum_{s0 <= s < s1} p[s] v_s[0..8C) in key order. C is a constant, so the sums stay in registers
-// across the keys.
-template <int C>
-DPARA_RT_INLINE void values_chunks(const float* p, const float* v, std::int64_t s0, std::int64_t s1, std::int64_t d,
-                                   float* acc) {
-  F8 a[C];
-  for (int c = 0; c < C; ++c) a[c] = load8(acc + 8 * c);
-  for (std::int64_t s = s0; s < s1; ++s) {
-    const float* vs = v + s * d;
-    for (int c = 0; c < C; ++c) a[c] += p[s] * load8(vs + 8 * c);
-  }
-  for (int c = 0; c < C; ++c) store8(acc + 8 * c, a[c]);
-}
-
-// acc[0..d) += sum_{s0 <= s < s1} p[s] v_s (d % 8 == 0), each output's sum in key order.
-DPARA_RT_INLINE void values_add(const float* p, const float* v, std::int64_t s0, std::int64_t s1, std::int64_t d,
-                                float* acc) {
-  for (std::int64_t i0 = 0; i0 < d; i0 += 64) {  // direct calls: inlined into the caller's clone
-    const float* vi = v + i0;
-    float* ai = acc + i0;
-    switch (std::min<std::int64_t>(64, d - i0) / 8) {
-      case 8: values_chunks<8>(p, vi, s0, s1, d, ai); break;
-      case 7: values_chunks<7>(p, vi, s0, s1, d, ai); break;
-      case 6: values_chunks<6>(p, vi, s0, s1, d, ai); break;
-      case 5: values_chunks<5>(p, vi, s0, s1, d, ai); break;
-      case 4: values_chunks<4>(p, vi, s0, s1, d, ai); break;
-      case 3: values_chunks<3>(p, vi, s0, s1, d, ai); break;
-      case 2: values_chunks<2>(p, vi, s0, s1, d, ai); break;
-      default: values_chunks<1>(p, vi, s0, s1, d, ai); break;
-    }
-  }
-}
-
-// Sixteen floats: one zmm register in attention's AVX-512 clone, two ymm in the others.
-typedef float F16 __attribute__((vector_size(64)));
-DPARA_RT_INLINE F16 load16(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-DPARA_RT_INLINE void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
-
-// values_chunks for two queries over the same keys (the heads of a group reading one token's keys): each value
-// row is loaded once for both, and the 2C sums (C of 16 floats each) are independent chains that keep the FMA
-// units busy, where one query's 64 dims were one chain per 8 floats. Per element the sum of values_chunks.
-template <int C>
-DPARA_RT_INLINE void values_chunks2(const float* pa, const float* pb, const float* v, std::int64_t s0, std::int64_t s1,
-                                    std::int64_t d, float* acc_a, float* acc_b) {
-  F16 a[C], b[C];
-  for (int c = 0; c < C; ++c) a[c] = load16(acc_a + 16 * c), b[c] = load16(acc_b + 16 * c);
-  for (std::int64_t s = s0; s < s1; ++s) {
-    const float* vs = v + s * d;
-    for (int c = 0; c < C; ++c) {
-      const F16 w = load16(vs + 16 * c);
-      a[c] += pa[s] * w;
-      b[c] += pb[s] * w;
-    }
-  }
-  for (int c = 0; c < C; ++c) store16(acc_a + 16 * c, a[c]), store16(acc_b + 16 * c, b[c]);
-}
-
-// values_add for two queries over the same keys (d % 16 == 0).
-DPARA_RT_INLINE void values_add2(const float* pa, const float* pb, const float* v, std::int64_t s0, std::int64_t s1,
-                                 std::int64_t d, float* acc_a, float* acc_b) {
-  for (std::int64_t i0 = 0; i0 < d; i0 += 64) {
-    const float* vi = v + i0;
-    float *ai = acc_a + i0, *bi = acc_b + i0;
-    switch (std::min<std::int64_t>(64, d - i0) / 16) {
-      case 4: values_chunks2<4>(pa, pb, vi, s0, s1, d, ai, bi); break;
-      case 3: values_chunks2<3>(pa, pb, vi, s0, s1, d, ai, bi); break;
-      case 2: values_chunks2<2>(pa, pb, vi, s0, s1, d, ai, bi); break;
-      default: values_chunks2<1>(pa, pb, vi, s0, s1, d, ai, bi); break;
-    }
-  }
-}
-
-// o[0..d) = sum_s p[s] v_s / total.
-DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64_t keys, std::int64_t d,
-                                      float total, float* o) {
-  const float inv = 1.0f / total;
-  if (d % 8 == 0) {
-    std::fill_n(o, d, 0.0f);
-    values_add(p, v, 0, keys, d, o);
-    for (std::int64_t i = 0; i < d; i += 8) store8(o + i, load8(o + i) * inv);
-    return;
-  }
-  for (std::int64_t i = 0; i < d; ++i) {
-    float acc = 0;
-    for (std::int64_t s = 0; s < keys; ++s) acc += p[s] * v[s * d + i];
-    o[i] = acc * inv;
-  }
-}
-
-// out [rows, heads d]: token (b, j), head hh attends to slots 0..positions[b, j] of its KV head. The queries that
-// share a KV head (a row's tokens times the heads of its group) go through its keys and values together, a block at
-// a time, so each block is read from memory once and from L1 by the others; every query's values are still the
-// sums of one query alone (per key the same score, per output the same order).
-// Attention alone also gets an AVX-512 clone: its paired value sums take 16 floats a register (the arithmetic
-// per element is the same in every clone).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define DPARA_RT_ATTENTION_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DPARA_RT_ATTENTION_HOT
-#endif
-
-DPARA_RT_ATTENTION_HOT void attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
-                                      const std::int64_t* positions, const HostKVLayer& cache, float* out) {
-  const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  if (d % 8 != 0) {  // one query at a time
-    std::vector<float> scores(static_cast<std::size_t>(cache.max_len));
-    for (std::int64_t row = 0; row < batch * t; ++row)
-      for (std::int64_t hh = 0; hh < dm.heads; ++hh) {
-        const std::int64_t base = (row / t) * cache.row_stride + (hh / group) * cache.head_stride;
-        const std::int64_t keys = positions[row] + 1;
-        attention_scores(qkv + row * width + hh * d, cache.k + base, keys, d, scale, scores.data());
-        const float total = softmax_unnormalised(scores.data(), keys);
-        attention_values(scores.data(), cache.v + base, keys, d, total, out + row * dm.heads * d + hh * d);
-      }
-    return;
-  }
-  constexpr std::int64_t kValueBlock = 32;  // keys whose values (8 KiB at d = 64) stay in L1 across the queries
-  const std::int64_t nq = t * group;
-  std::vector<float> scores(static_cast<std::size_t>(nq * cache.max_len)), acc(static_cast<std::size_t>(nq * d));
-  std::vector<float> totals(static_cast<std::size_t>(nq));
-  std::vector<std::int64_t> keys(static_cast<std::size_t>(nq));
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t g = 0; g < dm.kv_heads; ++g) {
-      const std::int64_t base = b * cache.row_stride + g * cache.head_stride;
-      const float *k = cache.k + base, *v = cache.v + base;
-      const auto query = [&](std::int64_t i) {
-        return qkv + (b * t + i / group) * width + (g * group + i % group) * d;
-      };
-      std::int64_t most = 0;
-      for (std::int64_t i = 0; i < nq; ++i) most = std::max(most, keys[i] = positions[b * t + i / group] + 1);
-      for (std::int64_t s0 = 0; s0 < most; s0 += 8)
-        for (std::int64_t i = 0; i < nq; ++i) {
-          float* sc = scores.data() + i * cache.max_len;
-          if (s0 + 8 <= keys[i]) store8(sc + s0, scores8(query(i), k + s0 * d, d) * scale);
-          else
-            for (std::int64_t s = s0; s < keys[i]; ++s) sc[s] = dot(query(i), k + s * d, d) * scale;
-        }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (std::int64_t i = 0; i < nq; ++i)
-        totals[i] = softmax_unnormalised(scores.data() + i * cache.max_len, keys[i]);
-      for (std::int64_t s0 = 0; s0 < most; s0 += kValueBlock)
-        for (std::int64_t i = 0; i < nq;) {
-          const std::int64_t s1 = std::min(keys[i], s0 + kValueBlock);
-          const float* p = scores.data() + i * cache.max_len;
-          if (i + 1 < nq && keys[i + 1] == keys[i] && d % 16 == 0) {  // two heads of one token
-            if (s0 < s1) values_add2(p, p + cache.max_len, v, s0, s1, d, acc.data() + i * d, acc.data() + (i + 1) * d);
-            i += 2;
-          } else {
-            if (s0 < s1) values_add(p, v, s0, s1, d, acc.data() + i * d);
-            i += 1;
-          }
-        }
-      for (std::int64_t i = 0; i < nq; ++i) {
-        const float inv = 1.0f / totals[i];
-        float* o = out + (b * t + i / group) * dm.heads * d + (g * group + i % group) * d;
-        for (std::int64_t c = 0; c < d; c += 8) store8(o + c, load8(acc.data() + i * d + c) * inv);
-      }
-    }
-}
-
-// out [rows, heads d]: row (b, j), head hh attends to slots 0..ctx_lens[b]-1 of the context and to the rows m of
-// its own block with visible[j * t + m] (visible advanced by visible_stride per block), whose K/V are in qkv.
-DPARA_RT_HOT void block_attention(const HostQwen3Dims& dm, const float* qkv, std::int64_t batch, std::int64_t t,
-                                  const std::int64_t* ctx_lens, const std::uint8_t* visible,
-                                  std::int64_t visible_stride, const HostKVLayer& ctx, float* out) {
-  const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  std::vector<float> scores(static_cast<std::size_t>(ctx.max_len + t));
-  std::vector<std::int64_t> seen(static_cast<std::size_t>(t));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const std::uint8_t* vis = visible + b * visible_stride;
-    const std::int64_t keys = ctx_lens[b];
-    for (std::int64_t j = 0; j < t; ++j) {
-      const std::int64_t row = b * t + j;
-      std::int64_t n_seen = 0;
-      for (std::int64_t m = 0; m < t; ++m)
-        if (vis[j * t + m]) seen[n_seen++] = b * t + m;
-      for (std::int64_t hh = 0; hh < dm.heads; ++hh) {
-        const std::int64_t g = hh / group, base = b * ctx.row_stride + g * ctx.head_stride;
-        const float* q = qkv + row * width + hh * d;
-        attention_scores(q, ctx.k + base, keys, d, scale, scores.data());
-        for (std::int64_t n = 0; n < n_seen; ++n)
-          scores[keys + n] = dot(q, qkv + seen[n] * width + (dm.heads + g) * d, d) * scale;
-        const float total = softmax_unnormalised(scores.data(), keys + n_seen);
-        float* o = out + row * dm.heads * d + hh * d;
-        attention_values(scores.data(), ctx.v + base, keys, d, total, o);
-        const float inv = 1.0f / total;
-        for (std::int64_t n = 0; n < n_seen; ++n) {
-          const float p = scores[keys + n] * inv;
-          const float* v = qkv + seen[n] * width + (dm.heads + dm.kv_heads + g) * d;
-          for (std::int64_t i = 0; i < d; ++i) o[i] += p * v[i];
-        }
-      }
-    }
-  }
 }
 
 // gu rows [rows, 2 n] (gate, up) -> act [rows, n] = silu(gate) * up, silu(x) = x * sigmoid(x).
@@ -431,28 +170,36 @@ using Linear = void (*)(const float*, std::int64_t, std::int64_t, const void*, D
 // the post-attention norm of h.
 void finish_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, std::int64_t rows,
                   const float* attn, Linear linear) {
-  const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim;
-  std::vector<float> xn(rows * hd), proj(rows * hd), gu(rows * 2 * dm.intermediate), act(rows * dm.intermediate);
-  linear(attn, rows, qd, w.o.data, w.o.dtype, hd, proj.data());
-  add_rows(h, proj.data(), rows * hd);
-  norm_rows(h, w.post_norm, rows, hd, dm.eps, xn.data());
-  linear(xn.data(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * dm.intermediate, gu.data());
-  silu_mul(gu.data(), rows, dm.intermediate, act.data());
-  linear(act.data(), rows, dm.intermediate, w.down.data, w.down.dtype, hd, proj.data());
-  add_rows(h, proj.data(), rows * hd);
+  const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim, n = dm.intermediate;
+  const Scratch xn = scratch(rows * hd), proj = scratch(rows * hd), gu = scratch(rows * 2 * n), act = scratch(rows * n);
+  linear(attn, rows, qd, w.o.data, w.o.dtype, hd, proj.get());
+  add_rows(h, proj.get(), rows * hd);
+  norm_rows(h, w.post_norm, rows, hd, dm.eps, xn.get());
+  linear(xn.get(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * n, gu.get());
+  if (linear == host_linear_two_threads) {  // a prefill: the helper takes half the rows here too
+    const std::int64_t half = rows / 2;
+    host_two_parts([&](int part) {
+      const std::int64_t r0 = part ? half : 0, r1 = part ? rows : half;
+      silu_mul(gu.get() + r0 * 2 * n, r1 - r0, n, act.get() + r0 * n);
+    });
+  } else {
+    silu_mul(gu.get(), rows, n, act.get());
+  }
+  linear(act.get(), rows, n, w.down.data, w.down.dtype, hd, proj.get());
+  add_rows(h, proj.get(), rows * hd);
 }
 
 // qkv [rows, width] of h's rows: the input norm, the projection, q / k norms and RoPE (K/V into `cache` if it has
 // memory).
-std::vector<float> project_qkv(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h,
-                               std::int64_t batch, std::int64_t t, const std::int64_t* positions, const float* cos,
-                               const float* sin, const HostKVLayer& cache, Linear linear) {
+Scratch project_qkv(const HostQwen3Dims& dm, const HostQwen3Weights& w, const float* h, std::int64_t batch,
+                    std::int64_t t, const std::int64_t* positions, const float* cos, const float* sin,
+                    const HostKVLayer& cache, Linear linear) {
   const std::int64_t rows = batch * t, hd = dm.hidden;
   const std::int64_t width = (dm.heads + 2 * dm.kv_heads) * dm.head_dim;
-  std::vector<float> xn(rows * hd), qkv(rows * width);
-  norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.data());
-  linear(xn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.data());
-  qk_rope_store(dm, w, qkv.data(), batch, t, positions, cos, sin, cache);
+  Scratch xn = scratch(rows * hd), qkv = scratch(rows * width);
+  norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.get());
+  linear(xn.get(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.get());
+  qk_rope_store(dm, w, qkv.get(), batch, t, positions, cos, sin, cache);
   return qkv;
 }
 
@@ -463,11 +210,19 @@ void layer_unchecked(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* 
   if (!rows) return;
   // A prefill's products (a prompt per row) take a second thread: the drafter lane's core has nothing to do
   // before the prompt's features exist. A verify's (d + 1 tokens a row) stay on this one, beside the drafter.
-  const Linear linear = t >= kPrefillTokens ? host_linear_two_threads : host_linear;
-  const std::vector<float> qkv = project_qkv(dm, w, h, batch, t, positions, cos, sin, cache, linear);
-  std::vector<float> attn(rows * dm.heads * dm.head_dim);
-  attention(dm, qkv.data(), batch, t, positions, cache, attn.data());
-  finish_layer(dm, w, h, rows, attn.data(), linear);
+  const bool prefill = t >= kPrefillTokens;
+  const Linear linear = prefill ? host_linear_two_threads : host_linear;
+  const Scratch qkv = project_qkv(dm, w, h, batch, t, positions, cos, sin, cache, linear);
+  const Scratch attn = scratch(rows * dm.heads * dm.head_dim);
+  if (prefill && dm.kv_heads > 1) {  // and its attention, a half of the KV heads each
+    const std::int64_t half = dm.kv_heads / 2;
+    host_two_parts([&](int part) {
+      attention(dm, qkv.get(), batch, t, positions, cache, attn.get(), part ? half : 0, part ? dm.kv_heads : half);
+    });
+  } else {
+    attention(dm, qkv.get(), batch, t, positions, cache, attn.get(), 0, dm.kv_heads);
+  }
+  finish_layer(dm, w, h, rows, attn.get(), linear);
 }
 
 }  // namespace
@@ -603,18 +358,18 @@ void host_block_layers(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
   const HostKVLayer no_cache{};
   const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim, kept = t - keep_from;
   std::int64_t rows = batch * t;
-  std::vector<float> attn(rows * qd);
+  const Scratch attn = scratch(rows * qd);
   for (std::int64_t i = 0; i < n_layers; ++i) {
-    const std::vector<float> qkv = project_qkv(dm, weights[i], h, batch, t, nullptr, cos, sin, no_cache, host_linear);
-    block_attention(dm, qkv.data(), batch, t, ctx_lens, visible, visible_stride, contexts[i], attn.data());
+    const Scratch qkv = project_qkv(dm, weights[i], h, batch, t, nullptr, cos, sin, no_cache, host_linear);
+    block_attention(dm, qkv.get(), batch, t, ctx_lens, visible, visible_stride, contexts[i], attn.get());
     if (i == n_layers - 1 && keep_from > 0) {  // nobody reads the first rows' outputs past their K/V
       for (std::int64_t b = 0; b < batch; ++b) {
         std::memmove(h + b * kept * hd, h + (b * t + keep_from) * hd, sizeof(float) * kept * hd);
-        std::memmove(attn.data() + b * kept * qd, attn.data() + (b * t + keep_from) * qd, sizeof(float) * kept * qd);
+        std::memmove(attn.get() + b * kept * qd, attn.get() + (b * t + keep_from) * qd, sizeof(float) * kept * qd);
       }
       rows = batch * kept;
     }
-    finish_layer(dm, weights[i], h, rows, attn.data(), host_linear);
+    finish_layer(dm, weights[i], h, rows, attn.get(), host_linear);
   }
   norm_rows(h, final_norm, rows, hd, dm.eps, out);
 }

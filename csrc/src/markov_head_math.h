@@ -133,8 +133,9 @@ DPARA_RT_INLINE std::uint32_t philox_word(std::uint32_t c0, const PhiloxKey& key
   return c0;
 }
 
-// Standard Gumbel noise for counters base .. base+n-1 (wrapping mod 2^32, as the kernels do).
-DPARA_RT_HOT void gumbel_row(float* g, std::uint32_t base, std::int64_t n, PhiloxKey key) {
+// Standard Gumbel noise for counters base .. base+n-1 (wrapping mod 2^32, as the kernels do). maybe_unused: not
+// every source that includes this header draws noise (nor loads rows, below).
+[[maybe_unused]] DPARA_RT_HOT void gumbel_row(float* g, std::uint32_t base, std::int64_t n, PhiloxKey key) {
   for (std::int64_t v = 0; v < n; ++v) {
     const std::uint32_t bits = philox_word(base + std::uint32_t(v), key);
     // odd multiples of 2^-24 in (0, 1): exact in float32, never 0 or 1, so both logs are finite
@@ -155,7 +156,7 @@ DPARA_RT_INLINE float half_float(std::uint16_t h) {
   return bits_float(bits | std::uint32_t(h & 0x8000u) << 16);
 }
 
-DPARA_RT_HOT void load_row(float* out, const void* src, DType dtype, std::int64_t n) {
+[[maybe_unused]] DPARA_RT_HOT void load_row(float* out, const void* src, DType dtype, std::int64_t n) {
   if (dtype == DType::float32) {
     std::memcpy(out, src, std::size_t(n) * sizeof(float));
     return;
