@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dpara_rt.ops import MAX_DRAFT
-from dpara_rt.models.drafter import MASK_ID, Drafter, DrafterConfig, DrafterWarning, default_layer_ids, tree_layout
+from dpara_rt.models.drafter import (MASK_ID, Drafter, DrafterConfig, DrafterWarning, default_layer_ids, host_tree_layout,
+                                     tree_layout)
 from dpara_rt.models.drafter_io import load_drafter, save_drafter
 
 torch.set_num_threads(1)
@@ -107,6 +108,49 @@ def test_the_cores_backbone_equals_the_torch_path(drafter, mask_rows_drafter, co
     for got, want in zip(native, outputs(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
 
+
+
+def test_the_host_tree_layout_skips_rows_without_changing_a_bit(mask_rows_drafter):
+    """Under the DFlash convention the host backbone leaves out branch w and the spine entry only it sees, and
+    runs the last layer's MLP on the draft rows alone: its boundary hidden states are the bits of the full tree
+    layout's rows that the boundary keeps."""
+    dr = mask_rows_drafter
+    cache, _ = _filled_cache(dr, [7, 0, 13])
+    for d in (1, 4, dr.config.block_size - 1):
+        offsets, visible, keep_from = host_tree_layout(d, 1)
+        w = d + 1
+        assert len(offsets) == (d + 1) * (w + 1) and keep_from == 2 * (d + 1)  # vs (w + 1) ** 2 rows, w + 1 kept
+        spine = torch.randint(0, dr.config.vocab_size, (3, d + 1), generator=torch.Generator().manual_seed(d))
+        full_offsets, full_visible = tree_layout(w)
+        tokens = torch.cat([spine, spine[:, -1:], torch.full((3, (w + 1) * w), MASK_ID)], dim=1)
+        with torch.inference_mode():  # as boundary_logits runs it (training keeps the torch path)
+            full = dr.host_backbone(tokens, cache.lengths[:, None] + full_offsets, cache, full_visible, w + 1)
+        want = full.view(3, w + 1, w, -1)[:, :d + 1, 1:].reshape(3, d + 1, d, -1)
+        got = dr.boundary_logits(cache, spine, project=False)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("convention", ["anchor", "mask"])
+def test_a_short_spine_gives_its_branches_alone(drafter, mask_rows_drafter, convention, monkeypatch):
+    """A spine s_0..s_{k-1} with d given yields branches 0..k-1, the bits those branches have under any longer
+    spine that starts the same (a branch sees the spine up to its own s_r); a whole ring slot as `out` keeps its
+    other branches. The torch path (padding the spine) gives the same branches within rounding."""
+    dr = drafter if convention == "anchor" else mask_rows_drafter
+    cache, _ = _filled_cache(dr, [7, 0, 13])
+    d, V = 4, dr.config.vocab_size
+    spine = torch.randint(0, V, (3, d + 1), generator=torch.Generator().manual_seed(3))
+    full = dr.boundary_logits(cache, spine, project=False)
+    for k in (1, 3):
+        assert torch.equal(dr.boundary_logits(cache, spine[:, :k], project=False, d=d), full[:, :k])
+    slot = torch.full((3, d + 1, d, V), 7.0)
+    assert dr.boundary_logits(cache, spine[:, :1], out=slot, d=d) is not None
+    torch.testing.assert_close(slot[:, 0], dr.boundary_logits(cache, spine)[:, 0])
+    assert bool((slot[:, 1:] == 7.0).all())
+    with pytest.raises(ValueError, match="spine of 6 tokens for d=4"):
+        dr.boundary_logits(cache, torch.zeros(3, 6, dtype=torch.long), d=d)
+    monkeypatch.setattr(Drafter, "host_backbone", lambda self, *a: None)
+    torch.testing.assert_close(dr.boundary_logits(cache, spine[:, :2], project=False, d=d), full[:, :2],
+                               rtol=1e-4, atol=2e-5)
 
 def test_the_cores_context_update_equals_the_torch_path(drafter, monkeypatch):
     """On the host extend_context's K/V are one core call (Drafter._host_context): from ragged counts (one row

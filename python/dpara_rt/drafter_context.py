@@ -63,8 +63,9 @@ class LocalContext:
         return self.drafter.block_logits(self.cache, bonus, n, untrained_ok=untrained_ok)
 
     def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor, project: bool) -> None:
-        """Boundary logits (or the branches' hidden states) of `spine` [B, d+1] into ring slot `out`."""
-        self.drafter.boundary_logits(self.cache, spine, out=out, project=project)
+        """Boundary logits (or the branches' hidden states) of `spine` [B, k <= d+1] into ring slot `out` (its
+        branches 0..k-1)."""
+        self.drafter.boundary_logits(self.cache, spine, out=out, project=project, d=out.shape[2])
 
     def reset_row(self, b: int, features: torch.Tensor) -> None:
         """Row b of the context: emptied, then `features` [T, F] (a request joining a serving decode)."""
@@ -544,7 +545,8 @@ class _Worker:
         return dtype, shape
 
     def boundary(self, spine: list[list[int]], slot: int, project: bool, noise: tuple | None) -> None:
-        self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=self._slots[slot], project=project)
+        out = self._slots[slot]
+        self.drafter.boundary_logits(self.cache, torch.tensor(spine), out=out, project=project, d=out.shape[2])
         if noise is not None:  # the next head's Gumbel noise, while the target still verifies
             half, seed, offset = noise
             _, batch, d, vocab = self._shared["noise"].shape

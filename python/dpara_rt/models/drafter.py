@@ -152,6 +152,25 @@ def tree_layout(d: int) -> tuple[Tensor, Tensor]:
     return tree_position_offsets(d), tree_mask(d)
 
 
+@lru_cache(maxsize=64)
+def host_tree_layout(d: int, lead: int, branches: int | None = None) -> tuple[Tensor, Tensor, int]:
+    """Layout (b) as the host backbone runs it for branches 0..branches-1 (default all d+1): offsets [Q'],
+    visibility [Q', Q'] (uint8) and keep_from. The host backbone takes its rows in any order, so it skips what
+    the output never depends on: the spine past s_{branches-1} and the branches after it (with a lead, DFlash's
+    bonus slot, w = d + lead, that is at least branch w and the spine entry only it sees), and past the last
+    layer's attention every row but the branches' draft rows, which come last: the output is the draft rows of
+    the branches [branches d]. Each kept row sees the same rows in the same order as in tree_layout(w), so its
+    outputs are the same bits."""
+    k = d + 1 if branches is None else branches
+    w = d + lead
+    offsets, visible = tree_layout(w)
+    first = w + 1  # branch r's row j is tree row first + r w + j
+    rows = (list(range(k)) + [first + r * w + j for r in range(k) for j in range(lead)]
+            + [first + r * w + j for r in range(k) for j in range(lead, w)])
+    rows = torch.tensor(rows)
+    return offsets[rows], visible[rows][:, rows].to(torch.uint8).contiguous(), k * (1 + lead)
+
+
 # ---------------------------------------------------------------- modules
 class _Attention(nn.Module):
     def __init__(self, c: DrafterConfig):
@@ -533,32 +552,42 @@ class Drafter(nn.Module):
 
     @torch.inference_mode()
     def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
-                        project: bool = True) -> Tensor:
+                        project: bool = True, d: int | None = None) -> Tensor:
         """Layout (b): spine s_0..s_d at positions lengths[b]..; branch r = d MASK rows at lengths[b]+r+1..;
         one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given).
         ``project=False`` stops before the output head: the branches' final hidden states [B, d+1, d, H], of
         which a caller projects only the branch it needs.
 
+        A spine s_0..s_{k-1} shorter than d+1 (``d`` given) yields branches 0..k-1 alone, [B, k, d, V]: branch r
+        sees the spine up to s_r only. ``out`` may then be a whole ring slot [B, d+1, d, V]; its branches k.. are
+        left as they are. (DPara's first round verifies s_0 alone, whose one outcome is branch 0.)
+
         Under the DFlash convention a branch is d+1 rows (its bonus slot, then the d draft rows), so the tree is
         built for width w = d+1 with one spine entry past s_d; only the unused branch w sees that entry."""
         b = cache.batch
         spine = self._rows_tokens(spine, b, "spine")
-        d = spine.shape[1] - 1
+        k = spine.shape[1]
+        d = k - 1 if d is None else d
         self._check_d(d)
-        shape = (b, d + 1, d, self.config.vocab_size if project else self.config.hidden_size)
+        if not 1 <= k <= d + 1:
+            raise ValueError(f"spine of {k} tokens for d={d}; expected 1 to d+1 = {d + 1} (branches 0..k-1)")
+        width = self.config.vocab_size if project else self.config.hidden_size
+        shape = (b, k, d, width)
+        if out is not None and k <= d and tuple(out.shape) == (b, d + 1, d, width):
+            out = out[:, :k]  # branches 0..k-1 of a ring slot
         if out is not None and tuple(out.shape) != shape:
             raise ValueError(f"out has shape {tuple(out.shape)}; boundary {'logits' if project else 'hidden states'} "
-                             f"for d={d} need {shape}")
-        lead = self.config.lead
-        w = d + lead
-        if lead:
-            spine = torch.cat([spine, spine[:, -1:]], dim=1)
-        offsets, visible = tree_layout(w)
-        dev = spine.device
-        tokens = torch.cat([spine, torch.full((b, (w + 1) * w), MASK_ID, device=dev)], dim=1)
-        positions = (cache.lengths[:, None] + offsets).to(dev)
-        h = self.host_backbone(tokens, positions, cache, visible, w + 1)
-        if h is None:
+                             f"for d={d} need {shape}" + (f" (a spine of {k}) or a whole slot" if k <= d else ""))
+        lead, dev = self.config.lead, spine.device
+        offsets, visible, keep_from = host_tree_layout(d, lead, k)
+        tokens = torch.cat([spine, torch.full((b, len(offsets) - k), MASK_ID, device=dev)], dim=1)
+        h = self.host_backbone(tokens, (cache.lengths[:, None] + offsets).to(dev), cache, visible, keep_from)
+        if h is None:  # the tree kernels' layout, padded past s_{k-1}: branches 0..k-1 never see the padding
+            w = d + lead
+            spine = torch.cat([spine, spine[:, -1:].expand(b, w + 1 - k)], dim=1)
+            offsets, visible = tree_layout(w)
+            tokens = torch.cat([spine, torch.full((b, (w + 1) * w), MASK_ID, device=dev)], dim=1)
+            positions = (cache.lengths[:, None] + offsets).to(dev)
             ctx_lens = cache.lengths.to(dev)
 
             def attend(q, k_ctx, v_ctx, k_tree, v_tree):
@@ -566,18 +595,17 @@ class Drafter(nn.Module):
 
             ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
             h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
-        if lead:  # branches 0..d, their draft rows
-            h = h.view(b, w + 1, w, -1)[:, :d + 1, lead:].reshape(b, (d + 1) * d, -1)
+            h = h.view(b, w + 1, w, -1)[:, :k, lead:].reshape(b, k * d, -1)  # branches 0..k-1, their draft rows
         if not project:
             return h.reshape(shape) if out is None else out.copy_(h.view(shape))
         if out is None:
             return self.logits(h).view(shape)
         if out.is_contiguous():
-            self.logits(h, out=out.view(b, (d + 1) * d, -1))
+            self.logits(h, out=out.view(b, k * d, -1))
         else:
             out.copy_(self.logits(h).view(shape))
         return out
 
 
 __all__ = ["MASK_ID", "ContextCache", "Drafter", "DrafterConfig", "DrafterWarning", "default_layer_ids",
-           "dense_attend", "serial_layout", "tree_layout"]
+           "dense_attend", "host_tree_layout", "serial_layout", "tree_layout"]
