@@ -452,10 +452,11 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
     from dpara_rt.branch_guess import BranchGuess
     from dpara_rt.methods.rounds import Decoder
     target, drafter = pair
-    decoders, sent = [], []
-    init, post = Decoder.__init__, DrafterWorker.post
+    decoders, sent, judged = [], [], []
+    init, post, accepted = Decoder.__init__, DrafterWorker.post, BranchGuess.accepted
     monkeypatch.setattr(Decoder, "__init__", lambda self, *a, **k: decoders.append(self) or init(self, *a, **k))
     monkeypatch.setattr(DrafterWorker, "post", lambda self, op, *a, **k: sent.append(op) or post(self, op, *a, **k))
+    monkeypatch.setattr(BranchGuess, "accepted", lambda self, *a: judged.append(a) or accepted(self, *a))
 
     def decode(prompts, **kw):
         eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker="process")
@@ -468,8 +469,10 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
     guess = decoders[-1].guess
     assert guess.guesses >= guessed.stats.rounds - 2 and guess.hits > 0, (guess.guesses, guess.hits)
     assert sent.count("guess_branch") == guess.guesses
-    assert sent.count("project_branch") == guess.guesses - guess.hits  # a hit sends no share
-    monkeypatch.setattr(BranchGuess, "post", lambda self, slot, active=True: None)
+    # every round that goes on is judged (not the last): a hit sends no share; round 1 (s_0 alone) always hits
+    assert len(judged) >= guess.guesses - 1 and judged[0][2] == [0]
+    assert sent.count("project_branch") == len(judged) - guess.hits
+    monkeypatch.setattr(BranchGuess, "post", lambda self, slot, active=True, known=None: None)
     plain = decode(prompt)
     assert decoders[-1].guess.hits == 0
     assert guessed.tokens == plain.tokens and guessed.stats.tau == plain.stats.tau

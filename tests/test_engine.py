@@ -174,6 +174,36 @@ def test_psd_counts_fallbacks_and_dpara_never_falls_back(pair):
     assert dp.fallback_rate == 0
 
 
+@pytest.mark.parametrize("name", ["dpara-logits", "dpara-hidden"])
+def test_greedy_dpara_verifies_s0_alone_beside_branch_0_and_drafts_nothing_serially(pair, name, monkeypatch):
+    """Greedy, DPara's round 1 verifies s_0 alone (one token a row) while the drafter absorbs the prompt and fills
+    branch 0 of a slot (a spine of one token); every later round verifies a draft of the ring and no round is drafted
+    serially. Sampled, round 1 is a serial draft (a seeded request's draws must not depend on when it starts)."""
+    from dpara_rt.methods.rounds import Decoder
+    from dpara_rt.models.drafter import Drafter
+    target, drafter = pair
+    blocks, spines = [], []
+    accept, boundary = Decoder.accept, Drafter.boundary_logits
+    monkeypatch.setattr(Decoder, "accept", lambda self, v, slot=-1: blocks.append(tuple(v.block.shape))
+                        or accept(self, v, slot))
+    monkeypatch.setattr(Drafter, "boundary_logits", lambda self, cache, spine, *a, **k: spines.append(spine.shape[1])
+                        or boundary(self, cache, spine, *a, **k))
+    eng = Engine(target, drafter, d=4, drafter_worker="thread", **variant(name))
+    prompts = prompts_for(3, seed=5)
+
+    def phases(out):
+        events = json.loads(out.stats.trace)
+        return {e.get("name") for e in (events["traceEvents"] if isinstance(events, dict) else events)}
+    out = eng.generate(prompts, 24, trace=True)
+    assert out.tokens == ar_reference(target, prompts, 24)
+    assert blocks[0] == (3, 1) and len(blocks) > 2 and set(blocks[1:]) == {(3, 5)}
+    assert spines[0] == 1 and set(spines[1:]) == {5}
+    assert "first_round" in phases(out) and "serial_draft" not in phases(out)
+    blocks.clear()
+    sampled = eng.generate(prompts, 12, temperature=1.0, seed=3, trace=True)
+    assert "serial_draft" in phases(sampled) and blocks[0] == (3, 5)
+
+
 @pytest.mark.perf
 def test_overlap_is_real_on_two_host_lanes():
     """A target much wider than its drafter: the backbone must hide under verification on two cores."""

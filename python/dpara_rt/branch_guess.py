@@ -28,14 +28,16 @@ class BranchGuess:
         self._hit: tuple[int, int] | None = None  # (round, slot) whose guess verification found right
         self.hits = self.guesses = 0
 
-    def post(self, slot: int, active: bool = True) -> None:
-        """Head lane, right after the slot's backbone went out: project branch `last r` of it next (unless not
-        `active`: then this round has no guess, and none from an earlier round can match it)."""
-        if not active or self._last is None:
+    def post(self, slot: int, active: bool = True, known: list[int] | None = None) -> None:
+        """Head lane, right after the slot's backbone went out: project branch `last r` of it next, or the r that
+        verification will accept when it is `known` (unless not `active`: then this round has no guess, and none
+        from an earlier round can match it)."""
+        r = known if known is not None else self._last
+        if not active or r is None:
             self._posted = None
             return
-        self.context.guess_branch(slot, self._last)
-        self._posted = (slot, self._last)
+        self.context.guess_branch(slot, r)
+        self._posted = (slot, r)
         self.guesses += 1
 
     def accepted(self, round_: int, slot: int, r: list[int]) -> bool:

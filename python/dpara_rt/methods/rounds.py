@@ -45,7 +45,9 @@ class Draft:
     ready: _core.Event       # drafter lane, after the tokens and q were written
 
     def spine(self, device) -> Tensor:
-        """[b, t1..td] on `device`, for the drafter's own use (no staging round trip)."""
+        """[b, t1..td] on `device`, for the drafter's own use (no staging round trip); [b] alone for an AR round."""
+        if self.tokens is None:
+            return self.bonus[:, None].to(device)
         return torch.cat([self.bonus[:, None].to(device), self.tokens], dim=1)
 
 
@@ -401,7 +403,9 @@ class Decoder:
             self.head_lane.wait(prev.ready)
         self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
         if self.guess is not None:  # not once the batch grows or a joining request brings sampling options
-            self.guess.post(slot, self.state.batch() == 1 and not self.opts.sampling)
+            # an AR round's one outcome is r = 0: its branch is no guess
+            self.guess.post(slot, self.state.batch() == 1 and not self.opts.sampling,
+                            known=[0] if draft.tokens is None else None)
         staged = prev is not None and prev.round > 0
         phase, self._absorbed_ahead = (prev.phase if staged else self._absorbed_ahead), None
         self._in_worker = (self.chain.round, slot, phase)
