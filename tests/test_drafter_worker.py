@@ -484,9 +484,10 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
 
 
 def test_a_guess_is_taken_only_by_the_head_of_the_round_that_found_it_right():
-    """BranchGuess with a stand-in context: no guess before a round has accepted; a guess posted for a slot hits
-    only that slot's round with the same r; a hit is taken once, by that round's head, and a hit whose head never
-    ran (a decode paused there) is not taken by a later round on the same slot."""
+    """BranchGuess with a stand-in context: a known r (an AR round's 0) is posted as it is and leaves the last r
+    alone; before a drafted round has accepted, full acceptance is guessed, then the last r; a guess posted for a
+    slot hits only that slot's round with the same r; a hit is taken once, by that round's head, and a hit whose
+    head never ran (a decode paused there) is not taken by a later round on the same slot."""
     from dpara_rt.branch_guess import BranchGuess
 
     class Context:
@@ -503,21 +504,22 @@ def test_a_guess_is_taken_only_by_the_head_of_the_round_that_found_it_right():
             self.waited += 1
     ctx = Context()
     guess = BranchGuess(ctx, 3, 40)
-    guess.post(0)
-    assert ctx.posted == [] and not guess.accepted(1, 0, [2])  # nothing to guess from yet
-    guess.post(1)  # branch 2, the r just accepted
-    assert ctx.posted == [(1, [2])]
-    assert not guess.accepted(2, 1, [0]) and guess.take(2, 1) is None  # wrong r
-    guess.post(0)
-    assert guess.accepted(3, 0, [0]) and guess.take(3, 0) is not None and ctx.waited == 1
+    guess.post(0, known=[0])  # round 1 verifies s_0 alone: its one outcome
+    assert ctx.posted == [(0, [0])] and guess.accepted(1, 0, [0]) and guess.take(1, 0) is not None
+    guess.post(1)  # no drafted round has accepted yet: full acceptance (d = 3), not the AR round's 0
+    assert ctx.posted[-1] == (1, [3])
+    assert not guess.accepted(2, 1, [2]) and guess.take(2, 1) is None  # wrong r
+    guess.post(0)  # branch 2, the r just accepted
+    assert ctx.posted[-1] == (0, [2])
+    assert guess.accepted(3, 0, [2]) and guess.take(3, 0) is not None and ctx.waited == 2
     assert guess.take(3, 0) is None  # taken once
     guess.post(1)
-    assert guess.accepted(4, 1, [0])  # ... and its head never runs: the decode pauses there
+    assert guess.accepted(4, 1, [2])  # ... and its head never runs: the decode pauses there
     assert guess.take(6, 1) is None  # a later round's head on the same slot (no guess judged for it) reads none
-    guess.post(1)  # branch 0 of slot 1 ... and the decode pauses before that round is verified
+    guess.post(1)  # branch 2 of slot 1 ... and the decode pauses before that round is verified
     guess.post(1, active=False)  # after the restart, a round on the same slot without a guess (a sampling row)
-    assert not guess.accepted(8, 1, [0]) and ctx.posted[-1] == (1, [0])
-    assert (guess.hits, guess.guesses) == (2, 4)
+    assert not guess.accepted(8, 1, [2]) and ctx.posted[-1] == (1, [2])
+    assert (guess.hits, guess.guesses) == (3, 5)
 
 
 def test_the_branch_split_moves_to_where_the_head_and_the_workers_reply_finish_together():
