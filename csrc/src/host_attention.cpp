@@ -5,9 +5,53 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace dpara_rt::detail {
+namespace {
+
+// A thread's idle scratch blocks (floats, pointer), reused best-fit; at most kKeptBlocks blocks of kKeptFloats
+// floats in all, the rest freed.
+constexpr std::size_t kKeptBlocks = 16, kKeptFloats = std::size_t(32) << 20 >> 2;  // 32 MiB
+struct ScratchCache {
+  std::vector<std::pair<std::size_t, float*>> idle;
+  std::size_t floats = 0;
+  ~ScratchCache() {
+    for (auto& block : idle) delete[] block.second;
+  }
+};
+ScratchCache& scratch_cache() {
+  thread_local ScratchCache cache;
+  return cache;
+}
+
+}  // namespace
+
+Scratch scratch(std::int64_t n) {
+  const std::size_t want = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
+  ScratchCache& cache = scratch_cache();
+  std::size_t best = cache.idle.size();
+  for (std::size_t i = 0; i < cache.idle.size(); ++i)
+    if (cache.idle[i].first >= want && (best == cache.idle.size() || cache.idle[i].first < cache.idle[best].first))
+      best = i;
+  if (best == cache.idle.size()) return Scratch(new float[want], ScratchReturn{want});
+  const auto block = cache.idle[best];
+  cache.idle.erase(cache.idle.begin() + static_cast<std::ptrdiff_t>(best));
+  cache.floats -= block.first;
+  return Scratch(block.second, ScratchReturn{block.first});
+}
+
+void ScratchReturn::operator()(float* p) const {
+  ScratchCache& cache = scratch_cache();
+  if (cache.idle.size() < kKeptBlocks && cache.floats + floats <= kKeptFloats) {
+    cache.idle.emplace_back(floats, p);
+    cache.floats += floats;
+  } else {
+    delete[] p;
+  }
+}
+
 namespace {
 
 DPARA_RT_INLINE float lane_sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }

@@ -1,6 +1,7 @@
 #pragma once
 // Private to the core's sources: the host Qwen3 layer's attention (host_qwen3.cpp), over a KV cache and over a
 // drafter's block of rows, and the pieces both files share.
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -9,9 +10,15 @@
 
 namespace dpara_rt::detail {
 
-// Scratch that every use writes before it reads: no zero fill (a prefill's layer would clear megabytes).
-using Scratch = std::unique_ptr<float[]>;
-DPARA_RT_INLINE Scratch scratch(std::int64_t n) { return Scratch(new float[static_cast<std::size_t>(n)]); }
+// Scratch that every use writes before it reads: no zero fill (a prefill's layer would clear megabytes), and kept
+// by its thread for the next call instead of freed (a batch's prefill had taken ~5000 page faults a call as the
+// allocator handed fresh pages back and forth; scratch_cache bounds what a thread keeps).
+struct ScratchReturn {
+  std::size_t floats;
+  void operator()(float* p) const;
+};
+using Scratch = std::unique_ptr<float[], ScratchReturn>;
+Scratch scratch(std::int64_t n);
 
 // Sum of a[i] * b[i] in a fixed order: eight lanes, a fixed tree, then the tail.
 DPARA_RT_INLINE float dot(const float* a, const float* b, std::int64_t n) {
