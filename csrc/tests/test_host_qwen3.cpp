@@ -1,13 +1,16 @@
 // The drafter's block layers against the target's cached layers: a block whose rows see themselves causally after
 // a context equals the same tokens decoded through host_qwen3_layer over that context (within float32 rounding:
 // the two sum attention in different orders); the last layer's skipped rows change nothing of the kept ones; a
-// per-block mask; refusals name the value. A context update stores the K/V the layer stores.
+// per-block mask; refusals name the value. A context update stores the K/V the layer stores. Layer scratch is
+// kept by its thread for the next call.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
+#include "../src/host_attention.h"  // the layers' private scratch
 #include "check.h"
 #include "dpara_rt/host_linear.h"
 #include "dpara_rt/host_qwen3.h"
@@ -366,9 +369,38 @@ void test_a_whole_forward_is_its_steps() {
                            capture.data(), hd, feats3.data(), fw, logits3.data(), argmax.data()));
 }
 
+// A block of scratch goes back to its thread when released: the next call gets it again (the smallest idle block
+// that is large enough), not fresh pages; another thread has blocks of its own.
+void test_scratch_is_kept_by_its_thread() {
+  using dpara_rt::detail::scratch;
+  float *first = nullptr, *second = nullptr;
+  {
+    auto a = scratch(1000);
+    first = a.get();
+    a[999] = 1.0f;
+  }
+  {
+    auto again = scratch(1000);
+    CHECK(again.get() == first);
+    auto other = scratch(1000);  // the first is taken: a block of its own
+    second = other.get();
+    CHECK(second != first);
+  }
+  {
+    auto small = scratch(10);  // an idle block large enough, not a new one
+    CHECK(small.get() == first || small.get() == second);
+  }
+  float* elsewhere = nullptr;
+  std::thread([&] { elsewhere = scratch(1000).get(); }).join();
+  CHECK(elsewhere != first && elsewhere != second);  // both stay with this thread
+  auto mine = scratch(1000);
+  CHECK(mine.get() == first || mine.get() == second);
+}
+
 }  // namespace
 
 int main() {
+  test_scratch_is_kept_by_its_thread();
   test_a_whole_forward_is_its_steps();
   test_a_causal_block_equals_decoding_after_the_context();
   test_a_verify_gives_each_token_the_bits_of_decoding_it_alone();
