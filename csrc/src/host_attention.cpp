@@ -205,6 +205,43 @@ DPARA_RT_INLINE void attention_values(const float* p, const float* v, std::int64
   }
 }
 
+// The scores of the queries that read one KV head (query(i), i < nq) against its first keys(i) cached keys k:
+// scores[i * stride + s] = q_i . k_s * scale. Eight keys at a time for all the queries, so each block is read from
+// memory once and from L1 by the others; every score has dot()'s bits.
+template <class Query, class Keys>
+DPARA_RT_INLINE void group_scores(Query query, Keys keys, std::int64_t nq, std::int64_t most, const float* k,
+                                  std::int64_t d, float scale, float* scores, std::int64_t stride) {
+  for (std::int64_t s0 = 0; s0 < most; s0 += 8)
+    for (std::int64_t i = 0; i < nq; ++i) {
+      float* sc = scores + i * stride;
+      const std::int64_t n = keys(i);
+      if (d % 8 == 0 && s0 + 8 <= n) store8(sc + s0, scores8(query(i), k + s0 * d, d) * scale);
+      else
+        for (std::int64_t s = s0; s < n && s < s0 + 8; ++s) sc[s] = dot(query(i), k + s * d, d) * scale;
+    }
+}
+
+// acc[i d ..] += sum over s < keys(i) of p_i[s] v_s for the same queries (p_i = scores + i * stride, d % 8 == 0): a
+// block of keys at a time for all of them, whose values stay in L1, the two heads of a token (the same keys)
+// summed together; per output the sum values_add gives its query alone.
+template <class Keys>
+DPARA_RT_INLINE void group_values(const float* scores, std::int64_t stride, Keys keys, std::int64_t nq,
+                                  std::int64_t most, const float* v, std::int64_t d, float* acc) {
+  constexpr std::int64_t kValueBlock = 32;  // keys whose values (8 KiB at d = 64) stay in L1 across the queries
+  for (std::int64_t s0 = 0; s0 < most; s0 += kValueBlock)
+    for (std::int64_t i = 0; i < nq;) {
+      const std::int64_t s1 = std::min(keys(i), s0 + kValueBlock);
+      const float* p = scores + i * stride;
+      if (i + 1 < nq && keys(i + 1) == keys(i) && d % 16 == 0) {  // two heads of one token
+        if (s0 < s1) values_add2(p, p + stride, v, s0, s1, d, acc + i * d, acc + (i + 1) * d);
+        i += 2;
+      } else {
+        if (s0 < s1) values_add(p, v, s0, s1, d, acc + i * d);
+        i += 1;
+      }
+    }
+}
+
 }  // namespace
 
 // out [rows, heads d]: token (b, j), head hh attends to slots 0..positions[b, j] of its KV head. The queries that
@@ -239,7 +276,6 @@ DPARA_RT_ATTENTION_HOT void attention(const HostQwen3Dims& dm, const float* qkv,
       }
     return;
   }
-  constexpr std::int64_t kValueBlock = 32;  // keys whose values (8 KiB at d = 64) stay in L1 across the queries
   const std::int64_t nq = t * group;
   std::vector<float> acc(static_cast<std::size_t>(nq * d));
   const Scratch scores = scratch(nq * stride), totals = scratch(nq);
@@ -253,28 +289,12 @@ DPARA_RT_ATTENTION_HOT void attention(const HostQwen3Dims& dm, const float* qkv,
       };
       std::int64_t most = 0;
       for (std::int64_t i = 0; i < nq; ++i) most = std::max(most, keys[i] = positions[b * t + i / group] + 1);
-      for (std::int64_t s0 = 0; s0 < most; s0 += 8)
-        for (std::int64_t i = 0; i < nq; ++i) {
-          float* sc = scores.get() + i * stride;
-          if (s0 + 8 <= keys[i]) store8(sc + s0, scores8(query(i), k + s0 * d, d) * scale);
-          else
-            for (std::int64_t s = s0; s < keys[i]; ++s) sc[s] = dot(query(i), k + s * d, d) * scale;
-        }
+      const auto keys_of = [&](std::int64_t i) { return keys[i]; };
+      group_scores(query, keys_of, nq, most, k, d, scale, scores.get(), stride);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (std::int64_t i = 0; i < nq; ++i)
         totals[i] = softmax_unnormalised(scores.get() + i * stride, keys[i]);
-      for (std::int64_t s0 = 0; s0 < most; s0 += kValueBlock)
-        for (std::int64_t i = 0; i < nq;) {
-          const std::int64_t s1 = std::min(keys[i], s0 + kValueBlock);
-          const float* p = scores.get() + i * stride;
-          if (i + 1 < nq && keys[i + 1] == keys[i] && d % 16 == 0) {  // two heads of one token
-            if (s0 < s1) values_add2(p, p + stride, v, s0, s1, d, acc.data() + i * d, acc.data() + (i + 1) * d);
-            i += 2;
-          } else {
-            if (s0 < s1) values_add(p, v, s0, s1, d, acc.data() + i * d);
-            i += 1;
-          }
-        }
+      group_values(scores.get(), stride, keys_of, nq, most, v, d, acc.data());
       for (std::int64_t i = 0; i < nq; ++i) {
         const float inv = 1.0f / totals[i];
         float* o = out + (b * t + i / group) * dm.heads * d + (g * group + i % group) * d;
@@ -294,7 +314,6 @@ DPARA_RT_ATTENTION_HOT void block_attention(const HostQwen3Dims& dm, const float
                                             std::int64_t visible_stride, const HostKVLayer& ctx, float* out) {
   const std::int64_t d = dm.head_dim, width = (dm.heads + 2 * dm.kv_heads) * d, group = dm.heads / dm.kv_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  constexpr std::int64_t kValueBlock = 32;  // keys whose values stay in L1 across the queries
   const std::int64_t nq = t * group;
   std::int64_t most = 0;
   for (std::int64_t b = 0; b < batch; ++b) most = std::max(most, ctx_lens[b]);
@@ -316,34 +335,18 @@ DPARA_RT_ATTENTION_HOT void block_attention(const HostQwen3Dims& dm, const float
       const auto query = [&](std::int64_t i) {
         return qkv + (b * t + i / group) * width + (g * group + i % group) * d;
       };
-      std::int64_t s0 = 0;
-      if (d % 8 == 0)
-        for (; s0 + 8 <= keys; s0 += 8)
-          for (std::int64_t i = 0; i < nq; ++i) store8(scores.get() + i * stride + s0, scores8(query(i), k + s0 * d, d) * scale);
+      const auto all_keys = [&](std::int64_t) { return keys; };
+      group_scores(query, all_keys, nq, keys, k, d, scale, scores.get(), stride);
       for (std::int64_t i = 0; i < nq; ++i) {
         float* sc = scores.get() + i * stride;
         const float* q = query(i);
-        for (std::int64_t s = s0; s < keys; ++s) sc[s] = dot(q, k + s * d, d) * scale;
         const std::int64_t j = i / group;
         for (std::int64_t n = 0; n < n_seen[j]; ++n)
           sc[keys + n] = dot(q, qkv + seen[j * t + n] * width + (dm.heads + g) * d, d) * scale;
         totals[i] = softmax_unnormalised(sc, keys + n_seen[j]);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      if (d % 8 == 0)
-        for (std::int64_t v0 = 0; v0 < keys; v0 += kValueBlock) {
-          const std::int64_t v1 = std::min(keys, v0 + kValueBlock);
-          for (std::int64_t i = 0; i < nq;) {
-            const float* p = scores.get() + i * stride;
-            if (i + 1 < nq && d % 16 == 0) {  // two queries over the same keys
-              values_add2(p, p + stride, v, v0, v1, d, acc.data() + i * d, acc.data() + (i + 1) * d);
-              i += 2;
-            } else {
-              values_add(p, v, v0, v1, d, acc.data() + i * d);
-              i += 1;
-            }
-          }
-        }
+      if (d % 8 == 0) group_values(scores.get(), stride, all_keys, nq, keys, v, d, acc.data());
       for (std::int64_t i = 0; i < nq; ++i) {
         const float* p = scores.get() + i * stride;
         const float inv = 1.0f / totals[i];
