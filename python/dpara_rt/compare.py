@@ -59,9 +59,12 @@ def run_methods(names: Sequence[str], target, drafter, prompts: Sequence[list[in
             kw = {**variant(name), **engine_kwargs(name)}  # the caller's arguments override the variant's
             eng = engines[name] = Engine(target, drafter if needs_drafter(kw["method"]) else None, max_batch=batch,
                                          **kw)
-            # warm-up at the measured batch size: lanes, allocator, caches, and on a GPU the kernels' compilation
-            # (Triton specialises on sizes such as the batch)
-            eng.generate([list(p) for p in prompts[:batch]], min(4, max_new_tokens))
+            # warm-up at the measured batch size and length: lanes, allocator, caches, and on a GPU the kernels'
+            # compilation (Triton specialises on sizes such as the batch). A warm-up of 4 tokens left the first
+            # measured decode of a configuration about a tenth slower than the next (the KV slots and buffers a
+            # full decode touches); with one batch of prompts that one is every method's only run, and the first
+            # in the rotation, AR, paid it: at batch 16 it ran at 0.82-0.85x of the same decodes run by `auto`.
+            eng.generate([list(p) for p in prompts[:batch]], max_new_tokens)
         results = {name: MethodResult(name) for name in names}
         for k, i in enumerate(range(0, len(prompts), batch)):
             chunk = [list(p) for p in prompts[i:i + batch]]
