@@ -184,6 +184,25 @@ def test_the_cores_context_update_equals_the_torch_path(drafter, monkeypatch):
         assert native.k[:, b, :, 20:].isnan().all() and native.v[:, b, :, 20:].isnan().all()
 
 
+def test_a_prompts_context_update_on_two_threads_has_the_bits_of_one(drafter):
+    """A prompt's context update is large enough for its fc product to take the core's helper thread too: the
+    cache equals the one built a few rows at a time (each call below that size, on this thread alone), bit for
+    bit."""
+    c = drafter.config
+    rows = (8 << 20) // (c.feature_size * c.hidden_size) + 1  # just above host_linear_two_threads's size
+    feats = torch.randn(2, rows, c.feature_size, generator=torch.Generator().manual_seed(6))
+    keep = torch.tensor([rows, rows - 5])
+    at_once = drafter.new_context_cache(2, rows)
+    drafter.extend_context(at_once, feats, keep)
+    by_parts = drafter.new_context_cache(2, rows)
+    for j in range(0, rows, 16):
+        drafter.extend_context(by_parts, feats[:, j:j + 16].contiguous(), (keep - j).clamp(0, 16))
+    assert at_once.lengths.tolist() == by_parts.lengths.tolist() == keep.tolist()
+    for b, n in enumerate(keep.tolist()):
+        assert torch.equal(at_once.k[:, b, :, :n], by_parts.k[:, b, :, :n])
+        assert torch.equal(at_once.v[:, b, :, :n], by_parts.v[:, b, :, :n])
+
+
 def test_the_cores_context_update_names_a_bad_argument(drafter):
     """host_context_kv refuses a count out of range or a context that would overflow, naming the value, before it
     writes anything."""

@@ -369,6 +369,18 @@ class Helper {
     return made;
   }
 
+  // Whether the calling thread is held to the helper's one core (a drafter lane beside the target lane's): the
+  // two halves would then only take turns on it.
+  bool on_callers_core() const {
+#ifdef __linux__
+    cpu_set_t caller;
+    return CPU_COUNT(&cores_) == 1 && sched_getaffinity(0, sizeof caller, &caller) == 0 && CPU_COUNT(&caller) == 1 &&
+           CPU_EQUAL(&caller, &cores_);
+#else
+    return false;
+#endif
+  }
+
   bool try_start(std::function<void()> job) {
     if (busy_.exchange(true)) return false;
     job_ = std::move(job);  // read by the helper only once it sees the new count
@@ -475,7 +487,7 @@ void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, con
   // Every argument checked before either thread writes (an empty range checks them all).
   host_linear_columns(x, m, k, packed, packed_dtype, n, split, split, y, n);
   Helper* helper = split > 0 && m * n >= kTwoThreadMacs / k ? Helper::get() : nullptr;
-  if (helper == nullptr ||
+  if (helper == nullptr || helper->on_callers_core() ||
       !helper->try_start([=] { host_linear_columns(x, m, k, packed, packed_dtype, n, split, n, y, n); }))
     return host_linear(x, m, k, packed, packed_dtype, n, y);
   host_linear_columns(x, m, k, packed, packed_dtype, n, 0, split, y, n);

@@ -408,20 +408,22 @@ void host_context_kv(const HostQwen3Dims& dm, const HostQwen3Weights* weights, c
   std::vector<std::int64_t> src(rows);  // the kept rows, in order: block row b * t + j for j < counts[b]
   for (std::int64_t b = 0, r = 0; b < batch; ++b)
     for (std::int64_t j = 0; j < counts[b]; ++j) src[r++] = b * t + j;
-  std::vector<float> x(rows * feature_width), c(rows * hd), cn(rows * hd);
+  // The layers' kept scratch: a prompt's rows are megabytes that fresh allocations would fault in page by page.
+  const Scratch x = scratch(rows * feature_width), c = scratch(rows * hd), cn = scratch(rows * hd);
   for (std::int64_t r = 0; r < rows; ++r)
-    std::memcpy(x.data() + r * feature_width, features + src[r] * feature_width, sizeof(float) * feature_width);
-  host_linear(x.data(), rows, feature_width, fc.data, fc.dtype, hd, c.data());
-  norm_rows(c.data(), context_norm, rows, hd, dm.eps, cn.data());
+    std::memcpy(x.get() + r * feature_width, features + src[r] * feature_width, sizeof(float) * feature_width);
+  // A prompt's rows take the second thread, as the target's prefill does (a round's few rows stay here).
+  host_linear_two_threads(x.get(), rows, feature_width, fc.data, fc.dtype, hd, c.get());
+  norm_rows(c.get(), context_norm, rows, hd, dm.eps, cn.get());
   // K and V are the qkv weight's columns after the query's; the product starts on the panel edge at or below them.
   const std::int64_t q_cols = dm.heads * d, width = q_cols + 2 * dm.kv_heads * d;
   const std::int64_t begin = q_cols / kHostLinearPanel * kHostLinearPanel;
-  std::vector<float> qkv(rows * width);
+  const Scratch qkv = scratch(rows * width);  // its k and v columns written, then read (the q columns are not)
   for (std::int64_t i = 0; i < n_layers; ++i) {
     const HostQwen3Weights& w = weights[i];
     const HostKVLayer& cache = contexts[i];
-    host_linear_columns(cn.data(), rows, hd, w.qkv.data, w.qkv.dtype, width, begin, width, qkv.data(), width);
-    store_context_kv(dm, w, qkv.data(), rows, src.data(), t, lengths, cos, sin, cache);
+    host_linear_columns(cn.get(), rows, hd, w.qkv.data, w.qkv.dtype, width, begin, width, qkv.get(), width);
+    store_context_kv(dm, w, qkv.get(), rows, src.data(), t, lengths, cos, sin, cache);
   }
 }
 

@@ -43,8 +43,9 @@ void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const v
 // caller projects the first half of the panels and a helper thread of the core the rest. The helper runs on the
 // process's cores other than those of the thread that first called this (the target lane's), where any are left
 // (a drafter worker sleeps through a prefill), else on any of them; it is named "dpara_rt-helper". The same
-// bits as host_linear. Below the size, with the helper busy (another caller), on a single-core machine or with
-// DPARA_RT_HOST_THREADS=1 in the environment, the caller computes everything itself.
+// bits as host_linear. Below the size, with the helper busy (another caller), from a thread held to the helper's
+// one core, on a single-core machine or with DPARA_RT_HOST_THREADS=1 in the environment, the caller computes
+// everything itself. Callers: a prompt's prefill and its absorb into a drafter's context.
 void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, const void* packed,
                              DType packed_dtype, std::int64_t n, float* y);
 

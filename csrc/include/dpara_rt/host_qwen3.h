@@ -116,7 +116,8 @@ void host_block_layers(const HostQwen3Dims& dims, const HostQwen3Weights* weight
 // context_norm), then for every layer i its K (k-normed, rotated by cos / sin [batch * t, head_dim]) and V of c,
 // the k and v rows of weights[i].qkv, stored at slots lengths[b] + j of contexts[i] (the rows' RoPE positions).
 // Rows past counts[b] are read by nobody. Each value is the FMA chain and norm the layers compute, per row, so a
-// row's K/V do not depend on the rows beside it. Everything is checked before the first write. One thread.
+// row's K/V do not depend on the rows beside it. Everything is checked before the first write. A prompt's fc
+// product (large enough) takes the helper thread too (host_linear_two_threads: the same bits).
 void host_context_kv(const HostQwen3Dims& dims, const HostQwen3Weights* weights, const HostKVLayer* contexts,
                      std::int64_t n_layers, const HostPackedLinear& fc, std::int64_t feature_width,
                      const float* context_norm, const float* features, std::int64_t batch, std::int64_t t,
