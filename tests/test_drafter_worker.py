@@ -17,6 +17,7 @@ from dpara_rt import _core
 from dpara_rt.core import slot_tensor, staging_tensor
 from dpara_rt.drafter_context import BranchSplit, DrafterWorker, LocalContext, WorkerContext
 from dpara_rt.engine import WORKER_SPIN_S, Engine
+from dpara_rt.methods.rounds import Draft
 from engine_pairs import predictable_pair
 
 D = 4
@@ -81,7 +82,7 @@ def test_worker_context_computes_what_the_local_one_does(pair, worker, project, 
     local.absorb(feats, torch.tensor([3, 5]))
     expect = torch.empty_like(slot_tensor(ring, 1))
     local.boundary(spine, 1, expect, project)
-    remote.absorb_and_fill(staged, torch.tensor([3, 5]), spine, 1, project)
+    remote.absorb_and_fill(staged, torch.tensor([3, 5]), spine.tolist(), 1, project)  # as Draft.spine_ids gives it
     spans = remote.settle()
     assert [name for name, _, _ in spans] == ["context", "backbone"]
     assert all(t0 <= t1 for _, t0, t1 in spans)
@@ -94,6 +95,14 @@ def test_worker_context_computes_what_the_local_one_does(pair, worker, project, 
         ctx.grow(3)
     assert torch.equal(local.block_logits(torch.tensor([1, 2, 3]), D, False),
                        remote.block_logits(torch.tensor([1, 2, 3]), D, False))
+
+
+def test_a_drafts_spine_ids_are_its_spine_as_token_lists():
+    """What the head sends a drafter worker each round: the spine's ids as lists, built without a tensor."""
+    draft = Draft(3, torch.tensor([4, 9]), torch.tensor([[1, 2], [3, 5]]), None, None, _core.Event())
+    assert draft.spine_ids() == draft.spine("cpu").tolist() == [[4, 1, 2], [9, 3, 5]]
+    ar_round = Draft(1, torch.tensor([4, 9]), None, None, None, _core.Event())
+    assert ar_round.spine_ids() == ar_round.spine("cpu").tolist() == [[4], [9]]
 
 
 def test_a_prompt_larger_than_the_scratch_grows_it_and_the_replies_in_flight_are_kept(pair, worker, one_thread):

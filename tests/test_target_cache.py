@@ -92,3 +92,14 @@ def test_restart_reuses_cache_without_leaking(tiny_target, tiny_prompts):
     fresh_last, _, _ = Target(tiny_target, 3, 64).start(tiny_prompts)
     torch.testing.assert_close(last, fresh_last, **TOL)
     assert feats.shape[-1] == 0  # no layers captured
+
+
+def test_a_reserved_cache_takes_the_commits(tiny_target, tiny_prompts, tiny_layer_ids):
+    """reserve() replaces the cache: the commits after it (through the lengths' numpy view) go to the new one."""
+    target = Target(tiny_target, 3, 16, tiny_layer_ids)
+    target.reserve(48)
+    target.start(tiny_prompts)
+    target.verify_argmax(block(2, 3, 4))
+    target.commit(torch.tensor([4, 1, 0]))
+    assert torch.equal(target.lengths, torch.tensor([len(p) for p in tiny_prompts]) + torch.tensor([4, 1, 0]))
+    assert target.cache.max_len == 48

@@ -203,15 +203,17 @@ class WorkerContext:
         _scratch_view(raw, shape, dtype).copy_(features)
         return shape, dtype
 
-    def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor | None, project: bool,
+    def boundary(self, spine: torch.Tensor | list[list[int]], slot: int, out: torch.Tensor | None, project: bool,
                  noise: tuple | None = None) -> None:
-        self.worker.post("boundary", spine.tolist(), slot, project, noise)
+        self.worker.post("boundary", spine if isinstance(spine, list) else spine.tolist(), slot, project, noise)
 
-    def absorb_and_fill(self, features: torch.Tensor, keep: torch.Tensor | None, spine: torch.Tensor, slot: int,
-                        project: bool, noise: tuple | None = None) -> None:
+    def absorb_and_fill(self, features: torch.Tensor, keep: torch.Tensor | None,
+                        spine: torch.Tensor | list[list[int]], slot: int, project: bool,
+                        noise: tuple | None = None) -> None:
         """absorb (unless keep is None) then boundary, as one message: a round's whole drafting beside its
-        verification costs one send here and one reply to settle. `noise`: (half, seed, offset) of the next
-        head's noise, drawn after the backbone (dpara_rt.noise_ahead)."""
+        verification costs one send here and one reply to settle. `spine`: [B, k] token ids, or their lists
+        (Draft.spine_ids: what the message carries). `noise`: (half, seed, offset) of the next head's noise, drawn
+        after the backbone (dpara_rt.noise_ahead)."""
         if keep is None:
             return self.boundary(spine, slot, None, project, noise)
         phase = self._staged_phase(features)
@@ -219,7 +221,8 @@ class WorkerContext:
             self.absorb(features, keep)
             return self.boundary(spine, slot, None, project, noise)
         self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype),
-                         torch.as_tensor(keep).tolist(), spine.tolist(), slot, project, noise)
+                         torch.as_tensor(keep).tolist(), spine if isinstance(spine, list) else spine.tolist(), slot,
+                         project, noise)
 
     def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
         """A float32 buffer in shared memory (a memfd mapped here and in the worker): the head's noise drawn

@@ -50,6 +50,12 @@ class Draft:
             return self.bonus[:, None].to(device)
         return torch.cat([self.bonus[:, None].to(device), self.tokens], dim=1)
 
+    def spine_ids(self) -> list[list[int]]:
+        """spine() as token lists, what a message to a drafter worker carries (without a tensor built on the way)."""
+        if self.tokens is None:
+            return [[b] for b in self.bonus.tolist()]
+        return [[b, *t] for b, t in zip(self.bonus.tolist(), self.tokens.tolist())]
+
 
 @dataclass(frozen=True)
 class Verified:
@@ -401,7 +407,7 @@ class Decoder:
         features, keep = (None, None) if prev is None else (prev.features, prev.keep)
         if prev is not None:
             self.head_lane.wait(prev.ready)
-        self.context.absorb_and_fill(features, keep, draft.spine("cpu"), slot, self.ring_logits, noise)
+        self.context.absorb_and_fill(features, keep, draft.spine_ids(), slot, self.ring_logits, noise)
         if self.guess is not None:  # not once the batch grows or a joining request brings sampling options
             # an AR round's one outcome is r = 0: its branch is no guess
             self.guess.post(slot, self.state.batch() == 1 and not self.opts.sampling,

@@ -130,6 +130,7 @@ class Target(TargetBase):
         self.layer_ids = self._layer_ids(layer_ids, model.config.num_hidden_layers)
         self.model = model
         self.cache = KVCache.for_model(model.config, max_batch, max_len, model.dtype, model.device)
+        self._lengths = self.cache.lengths.numpy()  # the committed lengths as numpy, made once (commit runs each round)
         self.batch = 0          # rows in use since the last start()
         self._last_t = 0        # T of the last verify: the most a commit may keep
         self._plan = None       # this decode's verify as one core call (verify_argmax), bound by start()
@@ -146,6 +147,7 @@ class Target(TargetBase):
         """Grow the KV cache to hold `max_len` tokens per row (no-op when it already does)."""
         if max_len > self.cache.max_len:
             self.cache = KVCache.for_model(self.config, self.max_batch, max_len, self.model.dtype, self.device)
+            self._lengths = self.cache.lengths.numpy()
             self.batch, self._last_t, self._plan = 0, 0, None
 
     @property
@@ -202,7 +204,7 @@ class Target(TargetBase):
         tokens = self._check_verify(tokens, self.cache.lengths[: self.batch])
         B, T = tokens.shape
         # numpy for these [B] vectors: this runs every round, right after the last round evicted the caches
-        lengths = self.cache.lengths.numpy()[:B]
+        lengths = self._lengths[:B]
         positions = torch.from_numpy(lengths[:, None] + np.arange(T)).to(self.device)
         # the parameters were checked against their packed copies by this decode's start(): not again per round
         logits, feats = self.model(tokens.to(self.device), positions, self.cache, self.layer_ids,
@@ -236,7 +238,7 @@ class Target(TargetBase):
     def commit(self, n: Tensor | np.ndarray):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
         n = self._check_commit(n)
-        self.cache.lengths.numpy()[: self.batch] += n
+        self._lengths[: self.batch] += n
         self._last_t = 0
 
     def _features(self, feats: Tensor | None, B: int, T: int) -> Tensor:
