@@ -5,8 +5,9 @@ pair by about one branch's projection), while branch r's projection waits for r 
 split over both cores. So right after its backbone the worker projects one branch in full, the one the last
 round accepted (an acceptance length repeats itself about a third of the time; before any, full acceptance),
 into a shared buffer. DPara's first round verifies s_0 alone, whose one outcome is r = 0: its branch is posted
-as known, and what it accepts says nothing of the next round's r. When verification accepts that very r, the Markov head reads those logits and projects nothing: they
-are the ones it would have computed (the same packed head and kernel, every column the same FMA chain).
+as known, and what it accepts says nothing of the next round's r. When verification accepts that very r, the
+Markov head reads those logits and projects nothing: they are the ones it would have computed (the same packed
+head and kernel, every column the same FMA chain).
 Otherwise the round runs as without it. No draft depends on the guess, so a wrong one costs the worker's idle
 time and nothing falls back.
 """

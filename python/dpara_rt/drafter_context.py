@@ -205,7 +205,7 @@ class WorkerContext:
 
     def boundary(self, spine: torch.Tensor | list[list[int]], slot: int, out: torch.Tensor | None, project: bool,
                  noise: tuple | None = None) -> None:
-        self.worker.post("boundary", spine if isinstance(spine, list) else spine.tolist(), slot, project, noise)
+        self.worker.post("boundary", _token_lists(spine), slot, project, noise)
 
     def absorb_and_fill(self, features: torch.Tensor, keep: torch.Tensor | None,
                         spine: torch.Tensor | list[list[int]], slot: int, project: bool,
@@ -214,6 +214,7 @@ class WorkerContext:
         verification costs one send here and one reply to settle. `spine`: [B, k] token ids, or their lists
         (Draft.spine_ids: what the message carries). `noise`: (half, seed, offset) of the next head's noise, drawn
         after the backbone (dpara_rt.noise_ahead)."""
+        spine = _token_lists(spine)
         if keep is None:
             return self.boundary(spine, slot, None, project, noise)
         phase = self._staged_phase(features)
@@ -221,8 +222,7 @@ class WorkerContext:
             self.absorb(features, keep)
             return self.boundary(spine, slot, None, project, noise)
         self.worker.post("absorb_and_fill", phase, tuple(features.shape), str(features.dtype),
-                         torch.as_tensor(keep).tolist(), spine if isinstance(spine, list) else spine.tolist(), slot,
-                         project, noise)
+                         torch.as_tensor(keep).tolist(), spine, slot, project, noise)
 
     def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
         """A float32 buffer in shared memory (a memfd mapped here and in the worker): the head's noise drawn
@@ -596,6 +596,11 @@ class _Worker:
 
     def grow(self, batch: int) -> None:
         self.cache = _grown(self.drafter, self.cache, batch)
+
+
+def _token_lists(ids: torch.Tensor | list[list[int]]) -> list[list[int]]:
+    """Token ids [B, k] as the lists a call carries (Draft.spine_ids already gives them so)."""
+    return ids if isinstance(ids, list) else ids.tolist()
 
 
 def _scratch_view(raw: torch.Tensor, shape: tuple, dtype: str) -> torch.Tensor:
