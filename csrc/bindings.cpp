@@ -827,6 +827,15 @@ PYBIND11_MODULE(_core, m) {
       "p [B, d+1, V], q [B, d, V], u_accept [B, d], u_bonus [B] and int64 draft [B, d]: writes int64 r and bonus "
       "[B] at r_ptr and bonus_ptr.");
 
+  m.def("inverse_cdf_host", [](std::uintptr_t w_ptr, std::uintptr_t u_ptr, std::int64_t rows, std::int64_t vocab,
+                               std::uintptr_t out_ptr) {
+        py::gil_scoped_release nogil;
+        inverse_cdf_host(reinterpret_cast<const float*>(w_ptr), reinterpret_cast<const float*>(u_ptr), rows, vocab,
+                         reinterpret_cast<std::int64_t*>(out_ptr));
+      }, py::arg("w_ptr"), py::arg("u_ptr"), py::arg("rows"), py::arg("vocab"), py::arg("out_ptr"),
+      "inverse_cdf's draw over contiguous float32 weights w [rows, vocab] and uniforms u [rows]: writes int64 "
+      "[rows] at out_ptr.");
+
   m.def("tree_metadata", [](const py::object& d_arg) {
         const int d = as_int(d_arg, "d");
         const TreeMeta t = tree_meta(d);

@@ -1,7 +1,8 @@
 """Native host verification (dpara_rt.native.verify_sample_native over _core.verify_sample_host) makes the torch
 reference's decisions exactly: acceptances, degenerate residuals, zero weights, uniforms at the edges, one-hot
 (greedy) rows and non-finite weights; ops.verify_sample takes it on the CPU; bad arguments raise ValueError
-naming the value."""
+naming the value. AR's draw (native.inverse_cdf_native over _core.inverse_cdf_host) is inverse_cdf's, bit for
+bit, and sampling.sample takes it on the host."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from dpara_rt import _core, ops
-from dpara_rt.kernels.verify import verify_sample_reference
-from dpara_rt.native import argmax_finite, verify_sample_native
+from dpara_rt import sampling
+from dpara_rt.kernels.verify import inverse_cdf, verify_sample_reference
+from dpara_rt.native import argmax_finite, inverse_cdf_native, verify_sample_native
 
 BELOW_ONE = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()  # the largest float32 < 1
 
@@ -231,3 +233,49 @@ def test_argmax_finite_arguments_are_checked():
         _core.argmax_finite_host(0, 1, 0, np.zeros(1, dtype=np.int64))
     with pytest.raises(ValueError, match="argmax_out must be a writable contiguous int64 array of shape"):
         _core.argmax_finite_host(torch.zeros(2, 3).data_ptr(), 2, 3, np.zeros(3, dtype=np.int64))
+
+
+# ------------------------------------------------------------------------------------------ AR's draw
+
+@pytest.mark.parametrize("kind", ["random", "zeros", "peaked", "u_edges", "non_finite"])
+@pytest.mark.parametrize("vocab", [1, 5, 8192, 151936])
+@pytest.mark.parametrize("batch", [1, 4, 9])
+def test_inverse_cdf_native_is_the_reference_bit_for_bit(batch, vocab, kind):
+    """Groups of four rows and a remainder, truncated rows (exact zeros, all-zero rows), a near one-hot row,
+    uniforms at 0 and just below 1, NaN and inf weights: the core draws what inverse_cdf draws."""
+    g = torch.Generator().manual_seed(batch * 7 + vocab + len(kind))
+    w = torch.softmax(torch.randn(batch, vocab, generator=g) * (30 if kind == "peaked" else 3), -1)
+    u = torch.rand(batch, generator=g)
+    if kind == "zeros":
+        w = torch.where(torch.rand(batch, vocab, generator=g) < 0.9, 0.0, w)
+        w[0] = 0.0
+    elif kind == "u_edges":
+        u = torch.tensor([0.0, BELOW_ONE, 1e-30] * batch)[:batch]
+    elif kind == "non_finite":
+        w[0, vocab // 2] = float("nan")
+        w[-1, 0] = float("inf")
+    got = inverse_cdf_native(w, u)
+    assert got.dtype == torch.long and torch.equal(got, inverse_cdf(w, u)), (got, inverse_cdf(w, u))
+
+
+def test_inverse_cdf_native_checks_its_arguments():
+    w = torch.softmax(torch.randn(2, 6), -1)
+    with pytest.raises(ValueError, match=r"u\[1\] = 1, expected a value in \[0, 1\)"):
+        inverse_cdf_native(w, torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match=r"u has shape \(3,\), expected \[B\] = \(2,\)"):
+        inverse_cdf_native(w, torch.rand(3))
+    with pytest.raises(ValueError, match="weights must be float32, got torch.float64"):
+        inverse_cdf_native(w.double(), torch.rand(2))
+    with pytest.raises(ValueError, match=r"weights must have 2 dimensions, got shape \(6,\)"):
+        inverse_cdf_native(w[0], torch.rand(1))
+    assert inverse_cdf_native(torch.zeros(0, 6), torch.zeros(0)).shape == (0,)
+
+
+def test_sample_takes_the_native_draw_on_the_host(monkeypatch):
+    """sampling.sample on host float32 logits draws through the core, with the reference's tokens."""
+    calls = []
+    monkeypatch.setattr(sampling, "inverse_cdf", lambda *a: calls.append(a) or inverse_cdf(*a))
+    logits = torch.randn(5, 8192, generator=torch.Generator().manual_seed(1)) * 4
+    got = sampling.sample(logits, 0.8, generator=sampling.make_generator(3))
+    u = torch.rand(5, generator=sampling.make_generator(3))
+    assert not calls and torch.equal(got, inverse_cdf(sampling.probs(logits, 0.8), u))

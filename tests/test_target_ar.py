@@ -80,3 +80,19 @@ def test_inverse_cdf_never_picks_zero_mass():
     u = torch.tensor([0.0, 0.49, 0.5, 1.0 - 1e-7])
     assert inverse_cdf(p, u).tolist() == [1, 1, 3, 3]
     assert inverse_cdf(p, torch.ones(4)).tolist() == [3, 3, 3, 3]  # u on the total still lands on mass
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3, [0.5, 1.0, 2.0]])
+def test_untruncated_probs_have_the_general_paths_bits(temperature):
+    """Every row sampled, no top-k or top-p: probs takes a plain softmax of logits / t, bit for bit what the
+    general path (temperature per row with greedy rows masked, then the filters) computes; a top-k that keeps
+    everything (k >= V) is the same."""
+    g = torch.Generator().manual_seed(5)
+    for shape in [(3, 8192), (3, 8, 64)]:
+        logits = torch.randn(*shape, generator=g) * 4
+        t = torch.as_tensor(temperature, dtype=torch.float32)
+        t = t.view(-1, *([1] * (logits.dim() - 1))) if t.dim() else t
+        general = torch.softmax(logits / torch.where(t == 0, 1.0, t), dim=-1)
+        assert torch.equal(probs(logits, temperature), general)
+        assert torch.equal(probs(logits, temperature, 1.0, shape[-1]), general)
+        assert not torch.equal(probs(logits, temperature, 1.0, 2), general)  # a real top-k still truncates

@@ -101,7 +101,7 @@ void weight_row(const float* p, const float* q, std::int64_t vocab, float* w) {
 // N rows' float64 running sums in index order (torch's CPU cumsum is the same sequential scan). Nothing but
 // the adds in this loop: a select here compiles to a branch on w > 0, mispredicted at random weights.
 template <int N>
-void running_sums(float* const* rows, double* const* sums, std::int64_t vocab, double* total) {
+void running_sums(const float* const* rows, double* const* sums, std::int64_t vocab, double* total) {
   const float* w[N];
   double* cdf[N];
   double run[N];
@@ -129,6 +129,20 @@ std::int64_t draw(const float* w, const double* cdf, std::int64_t vocab, double 
   return v;
 }
 
+// n <= kGroup rows' draws: their running sums side by side, then each row's pick at u[g] of its total.
+void draw_group(const float* const* w, double* const* cdf, int n, std::int64_t vocab, const float* u,
+                std::int64_t* out) {
+  double total[kGroup];
+  static_assert(kGroup == 4, "the dispatch below covers groups of 1..4");
+  switch (n) {
+    case 1: running_sums<1>(w, cdf, vocab, total); break;
+    case 2: running_sums<2>(w, cdf, vocab, total); break;
+    case 3: running_sums<3>(w, cdf, vocab, total); break;
+    default: running_sums<4>(w, cdf, vocab, total); break;
+  }
+  for (int g = 0; g < n; ++g) out[g] = draw(w[g], cdf[g], vocab, double(u[g]) * total[g]);
+}
+
 // Per-thread scratch (weights and running sums of one group), grown to the largest vocabulary seen, so a
 // decode's calls allocate nothing.
 struct Scratch {
@@ -154,9 +168,8 @@ void verify_sample_host(const float* p, const float* q, const std::int64_t* draf
   if (batch == 0) return;
   const std::int64_t group = std::min<std::int64_t>(kGroup, batch);
   Scratch& s = scratch(std::size_t(group * vocab));
-  float* w[kGroup];
+  const float* w[kGroup];
   double* cdf[kGroup];
-  double total[kGroup];
   for (std::int64_t b0 = 0; b0 < batch; b0 += group) {
     const int n = int(std::min(group, batch - b0));
     for (int g = 0; g < n; ++g) {
@@ -164,20 +177,36 @@ void verify_sample_host(const float* p, const float* q, const std::int64_t* draf
       const float* pb = p + b * (d + 1) * vocab;
       const float* qb = q + b * d * vocab;
       const int r = accepted(pb, qb, draft + b * d, u_accept + b * d, d, vocab);
-      w[g] = s.w.data() + g * vocab;
+      float* row = s.w.data() + g * vocab;
+      weight_row(pb + r * vocab, r < d ? qb + r * vocab : nullptr, vocab, row);
+      w[g] = row;
       cdf[g] = s.cdf.data() + g * vocab;
-      weight_row(pb + r * vocab, r < d ? qb + r * vocab : nullptr, vocab, w[g]);
       r_out[b] = r;
     }
-    static_assert(kGroup == 4, "the dispatch below covers groups of 1..4");
-    switch (n) {
-      case 1: running_sums<1>(w, cdf, vocab, total); break;
-      case 2: running_sums<2>(w, cdf, vocab, total); break;
-      case 3: running_sums<3>(w, cdf, vocab, total); break;
-      default: running_sums<4>(w, cdf, vocab, total); break;
-    }
-    for (int g = 0; g < n; ++g)
-      bonus_out[b0 + g] = draw(w[g], cdf[g], vocab, double(u_bonus[b0 + g]) * total[g]);
+    draw_group(w, cdf, n, vocab, u_bonus + b0, bonus_out + b0);
+  }
+}
+
+void inverse_cdf_host(const float* w, const float* u, std::int64_t rows, std::int64_t vocab, std::int64_t* out) {
+  using detail::value_error;
+  constexpr const char* what = "inverse_cdf_host: ";
+  if (rows < 0) value_error(what, "rows = ", rows, ", expected >= 0");
+  if (vocab < 1) value_error(what, "vocab = ", vocab, ", expected >= 1");
+  detail::checked_mul(what, detail::checked_mul(what, rows, vocab, "rows * vocab"), std::int64_t(sizeof(double)),
+                      "running-sum bytes");
+  if (rows == 0) return;
+  if (!w || !u || !out)
+    value_error(what, !w ? "w" : !u ? "u" : "out", " is null, expected a buffer (rows = ", rows, ")");
+  for (std::int64_t b = 0; b < rows; ++b)
+    if (!is_uniform(u[b])) value_error(what, "u[", b, "] = ", float_str(u[b]), ", expected a value in [0, 1)");
+  const std::int64_t group = std::min<std::int64_t>(kGroup, rows);
+  Scratch& s = scratch(std::size_t(group * vocab));
+  const float* wg[kGroup];
+  double* cdf[kGroup];
+  for (std::int64_t b0 = 0; b0 < rows; b0 += group) {
+    const int n = int(std::min(group, rows - b0));
+    for (int g = 0; g < n; ++g) wg[g] = w + (b0 + g) * vocab, cdf[g] = s.cdf.data() + g * vocab;
+    draw_group(wg, cdf, n, vocab, u + b0, out + b0);
   }
 }
 

@@ -1,5 +1,6 @@
 // Host rejection-sampling verification: five requests worked by hand (dyadic values, so every sum is exact)
-// across a group of four and a group of one, and argument validation that writes nothing.
+// across a group of four and a group of one, and argument validation that writes nothing; AR's draw
+// (inverse_cdf_host) by hand too.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -104,9 +105,34 @@ static void test_validation_writes_nothing() {
   verify_sample_host(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 2, 4, nullptr, nullptr);
 }
 
+static void test_inverse_cdf_by_hand() {
+  // Five rows of [0, 0.5, 0, 0.5, 0] (a group of four, then one): the target u * 1 is first exceeded at index 1
+  // for u < 0.5 and at index 3 from u = 0.5 on (strictly greater), never at a zero weight. A row of zeros (and a
+  // negative) draws 0; with a NaN the total is NaN, so the last positive weight is drawn.
+  const F half{0, 0.5f, 0, 0.5f, 0};
+  F w;
+  for (int b = 0; b < 5; ++b) w.insert(w.end(), half.begin(), half.end());
+  const F u{0.0f, 0.49f, 0.5f, 0.99999994f, 0.25f};
+  I out(5, -1);
+  inverse_cdf_host(w.data(), u.data(), 5, 5, out.data());
+  CHECK((out == I{1, 1, 3, 3, 1}));
+  const F odd{0, -0.5f, 0, 0, 0, /* */ 0.25f, NAN, 0.25f, 0, 0};
+  I two(2, -1);
+  inverse_cdf_host(odd.data(), u.data(), 2, 5, two.data());
+  CHECK((two == I{0, 2}));
+  // A uniform outside [0, 1) is refused by name before anything is written.
+  const F bad_u{0.5f, 1.0f};
+  I untouched(2, -1);
+  CHECK_THROWS(inverse_cdf_host(w.data(), bad_u.data(), 2, 5, untouched.data()), std::invalid_argument,
+               "u[1] = 1, expected a value in [0, 1)");
+  CHECK((untouched == I{-1, -1}));
+  inverse_cdf_host(nullptr, nullptr, 0, 5, nullptr);  // no rows: nothing to read or write
+}
+
 int main() {
   test_by_hand();
   test_zero_and_nan_weights();
   test_validation_writes_nothing();
+  test_inverse_cdf_by_hand();
   return check::finish("test_verify");
 }

@@ -3,7 +3,8 @@
 ``markov_head_native`` has the contract of ``dpara_rt.kernels.markov_head.markov_head_reference`` (same
 drafts, same q, the same Philox stream as the Triton kernel) at a fraction of its cost: one call into
 ``_core.markov_head_host``, which runs without the GIL. ``verify_sample_native`` makes the decisions of
-``dpara_rt.kernels.verify.verify_sample_reference`` bit for bit through ``_core.verify_sample_host``. This
+``dpara_rt.kernels.verify.verify_sample_reference`` bit for bit through ``_core.verify_sample_host``, and
+``inverse_cdf_native`` the draw of ``dpara_rt.kernels.verify.inverse_cdf`` (AR's sampling) likewise. This
 module checks the tensors (the core validates every extent, index and value again, naming it);
 ``dpara_rt.ops`` decides when to use them.
 """
@@ -19,7 +20,7 @@ import torch
 from dpara_rt import _core
 
 __all__ = ["HostMarkovHead", "MarkovBound", "all_finite", "argmax_finite", "argmax_if_finite", "gumbel_noise",
-           "markov_bound", "markov_head_native", "verify_sample_native"]
+           "inverse_cdf_native", "markov_bound", "markov_head_native", "verify_sample_native"]
 
 _BOUNDARY_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _U64_LIMIT = 1 << 64
@@ -299,3 +300,15 @@ def verify_sample_native(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, 
     _core.verify_sample_host(p.data_ptr(), q.data_ptr(), draft.data_ptr(), u_accept.data_ptr(), u_bonus.data_ptr(),
                              batch, d, vocab, r.data_ptr(), bonus.data_ptr())
     return r, bonus
+
+
+def inverse_cdf_native(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf(weights, u) [B] long, bit for bit, for contiguous float32 CPU weights [B, V] and uniforms u [B]
+    (float32, in [0, 1): the core checks each and names the first that is not)."""
+    _cpu_tensor("weights", weights, 2)
+    batch, vocab = weights.shape
+    _host_buffer("weights", weights, torch.float32, (batch, vocab), "[B, V]")
+    _host_buffer("u", u, torch.float32, (batch,), "[B]")
+    out = torch.empty(batch, dtype=torch.long)
+    _core.inverse_cdf_host(weights.data_ptr(), u.data_ptr(), batch, vocab, out.data_ptr())
+    return out

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from dpara_rt.kernels.verify import inverse_cdf
+from dpara_rt.native import inverse_cdf_native
 
 Param = Union[float, int, Sequence, Tensor]
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]
@@ -124,15 +125,25 @@ def probs(logits: Tensor, temperature: Param = 0.0, top_p: Param = 1.0, top_k: P
     check_sampling(temperature, top_p, top_k)
     logits = logits.float()
     one_hot = lambda: torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # noqa: E731
-    if _all_greedy(temperature):
+    temperatures = _values(temperature)[0]
+    if all(v == 0 for v in temperatures):
         return one_hot()
     t = _rows(temperature, logits, torch.float32)
+    if all(v > 0 for v in temperatures) and _untruncated(top_p, top_k, logits.shape[-1]):
+        # The common sampled call (every row drawn, nothing truncated) is a softmax: the general path below
+        # gives these bits after several small ops of a few us each, paid per token by AR.
+        return torch.softmax(logits / t, dim=-1)
     greedy = t == 0
     p = torch.softmax(logits / torch.where(greedy, 1.0, t), dim=-1)
     p = top_p_filter(top_k_filter(p, top_k), top_p)
-    if any(v == 0 for v in _values(temperature)[0]):
+    if any(v == 0 for v in temperatures):
         p = torch.where(greedy, one_hot(), p)
     return p
+
+
+def _untruncated(top_p: Param, top_k: Param, vocab: int) -> bool:
+    """Whether top-p and top-k leave every row's distribution as it is (top_k_filter's and top_p_filter's no-op)."""
+    return all(v >= 1 for v in _values(top_p)[0]) and all(k == 0 or k >= vocab for k in _values(top_k)[0])
 
 
 def uniforms(generator: Generators, rows: int, *shape: int, device=None) -> Tensor:
@@ -156,7 +167,16 @@ def sample(logits: Tensor, temperature: Param = 0.0, top_p: Param = 1.0, generat
     if _all_greedy(temperature):
         return logits.argmax(-1)
     u = uniforms(generator, logits.shape[0], device=logits.device)
-    return inverse_cdf(probs(logits, temperature, top_p, top_k), u)
+    return draw(probs(logits, temperature, top_p, top_k), u)
+
+
+def draw(weights: Tensor, u: Tensor) -> Tensor:
+    """inverse_cdf(weights [B, V], u [B]): in the native core for host float32 rows (the same bits; torch's
+    float64 cumsum and the reductions around it took about 85 us a row at V = 8192, AR's every sampled token)."""
+    if weights.is_cpu and weights.dtype == torch.float32 and weights.dim() == 2 and weights.is_contiguous() \
+            and u.is_cpu and u.dtype == torch.float32:
+        return inverse_cdf_native(weights, u)
+    return inverse_cdf(weights, u)
 
 
 def stop_at_non_finite(p: Tensor, r: Tensor, bonus: Tensor, finite: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
@@ -168,7 +188,7 @@ def stop_at_non_finite(p: Tensor, r: Tensor, bonus: Tensor, finite: Tensor, u: T
     hit = r >= first_bad
     rows = torch.arange(len(r), device=r.device)
     k = torch.where(hit, first_bad, r)
-    redrawn = inverse_cdf(p[rows, k], u)
+    redrawn = draw(p[rows, k], u)
     return k, torch.where(hit, redrawn, bonus)
 
 

@@ -19,6 +19,12 @@ void verify_sample_host(const float* p, const float* q, const std::int64_t* draf
                         const float* u_bonus, std::int64_t batch, int d, std::int64_t vocab, std::int64_t* r_out,
                         std::int64_t* bonus_out);
 
+// inverse_cdf of kernels/verify.py (AR's draw, the bonus draw above) on host memory, bit for bit: per row b of
+// w [rows, vocab] float32 (contiguous), the first v with w[v] > 0 whose float64 running sum (in index order)
+// exceeds double(u[b]) * (the row's running sum); if none, the last v with w[v] > 0 (0 if none); into out
+// [rows]. Every u[b] is checked to lie in [0, 1) before anything is written (std::invalid_argument names it).
+void inverse_cdf_host(const float* w, const float* u, std::int64_t rows, std::int64_t vocab, std::int64_t* out);
+
 // Greedy verification's read of the target's logits x [rows, vocab] float32 (contiguous): per row the index of
 // its largest value, the first on ties (torch.argmax's choice), into argmax_out [rows]. Returns false, leaving
 // argmax_out unspecified, when any value is NaN or infinite: one pass where a finiteness check and an
