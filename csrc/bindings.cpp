@@ -438,13 +438,14 @@ PYBIND11_MODULE(_core, m) {
       "gumbel_noise_host (sampling only), or 0 to draw it here. cache: a MarkovBiasCache of these W1 / W2, or None.");
   m.def("markov_head_hidden_host", [](std::uintptr_t hidden_ptr, std::int64_t batch, std::int64_t n_rows, int d,
                                       std::int64_t hidden_dim, const I64Array& r, std::uintptr_t head_ptr,
-                                      const std::string& head_dtype, std::int64_t vocab, std::uintptr_t logits_ptr,
+                                      const std::string& head_format, std::int64_t vocab, std::uintptr_t logits_ptr,
                                       const I64Array& bonus, std::uintptr_t w1_ptr, std::uintptr_t w2_ptr,
                                       std::int64_t rank, double temperature, std::uint64_t seed, std::uint64_t offset,
                                       const py::object& draft_out, std::uintptr_t q_ptr, std::uintptr_t w2t_ptr,
                                       const std::string& w2t_dtype, std::uintptr_t w2_norms_ptr,
                                       std::uintptr_t noise_ptr, MarkovBiasCache* cache) {
-        const DType head = parse_dtype(head_dtype), w2t = parse_dtype(w2t_dtype);
+        const PackedFormat head = parse_packed_format(head_format);
+        const DType w2t = parse_dtype(w2t_dtype);
         const std::int64_t* r_data = expect_shape(r, {batch}, "r");
         const std::int64_t* bonus_data = expect_shape(bonus, {batch}, "bonus");
         std::int64_t* draft = out_data(draft_out, {batch, d}, "draft_out");
@@ -458,7 +459,7 @@ PYBIND11_MODULE(_core, m) {
                                 reinterpret_cast<const float*>(w2_norms_ptr), reinterpret_cast<const float*>(noise_ptr),
                                 cache);
       }, py::arg("hidden_ptr"), py::arg("batch"), py::arg("n_rows"), py::arg("d"), py::arg("hidden_dim"), py::arg("r"),
-      py::arg("head_ptr"), py::arg("head_dtype"), py::arg("vocab"), py::arg("logits_ptr"), py::arg("bonus"),
+      py::arg("head_ptr"), py::arg("head_format"), py::arg("vocab"), py::arg("logits_ptr"), py::arg("bonus"),
       py::arg("w1_ptr"), py::arg("w2_ptr"), py::arg("rank"), py::arg("temperature"), py::arg("seed"),
       py::arg("offset"), py::arg("draft_out"), py::arg("q_ptr"), py::arg("w2t_ptr") = 0,
       py::arg("w2t_dtype") = "float32", py::arg("w2_norms_ptr") = 0, py::arg("noise_ptr") = 0,
@@ -551,35 +552,40 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("out_ptr"), py::arg("batch"), py::arg("d"), py::arg("vocab"), py::arg("seed"), py::arg("offset"),
       "The Gumbel noise a sampling markov_head_host call with these (batch, d, vocab, seed, offset) draws, into "
       "out [B, d, V] float32 (contiguous).");
-  m.def("host_linear_packed_elems", &host_linear_packed_elems, py::arg("n"), py::arg("k"),
-        "Elements of host_linear_pack's output for an n x k weight.");
+  m.def("host_linear_packed_elems", [](std::int64_t n, std::int64_t k, const std::string& packed_format) {
+        return host_linear_packed_elems(n, k, parse_packed_format(packed_format));
+      }, py::arg("n"), py::arg("k"), py::arg("packed_format") = "float32",
+        "Elements of host_linear_pack's output for an n x k weight in this format.");
+  m.def("host_linear_bf16_dot_native", &host_linear_bf16_dot_native,
+        "Whether bf16_dot products run on this CPU's AVX512-BF16 dot product (else an emulation, the same bits).");
   // Pointers as data_ptr() integers: dpara_rt.models.host_linear checks the tensors.
   m.def("host_linear_pack", [](std::uintptr_t w_ptr, std::int64_t n, std::int64_t k, std::uintptr_t packed_ptr,
-                               const std::string& packed_dtype) {
-        const DType dtype = parse_dtype(packed_dtype);
+                               const std::string& packed_format) {
+        const PackedFormat format = parse_packed_format(packed_format);
         py::gil_scoped_release nogil;
-        host_linear_pack(reinterpret_cast<const float*>(w_ptr), n, k, reinterpret_cast<void*>(packed_ptr), dtype);
-      }, py::arg("w_ptr"), py::arg("n"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"),
-      "Pack a float32 weight [n, k] into panels (float32, or bfloat16 when every weight is a bfloat16 value).");
+        host_linear_pack(reinterpret_cast<const float*>(w_ptr), n, k, reinterpret_cast<void*>(packed_ptr), format);
+      }, py::arg("w_ptr"), py::arg("n"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_format"),
+      "Pack a float32 weight [n, k] into panels: 'float32', 'bfloat16' (every weight a bfloat16 value) or "
+      "'bf16_dot' (bfloat16 pairs along k, rounded: products of x rounded to bfloat16).");
   m.def("host_linear", [](std::uintptr_t x_ptr, std::int64_t m, std::int64_t k, std::uintptr_t packed_ptr,
-                          const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr,
+                          const std::string& packed_format, std::int64_t n, std::uintptr_t y_ptr,
                           std::int64_t col_begin, std::int64_t col_end) {
-        const DType dtype = parse_dtype(packed_dtype);
+        const PackedFormat format = parse_packed_format(packed_format);
         py::gil_scoped_release nogil;
         host_linear_columns(reinterpret_cast<const float*>(x_ptr), m, k, reinterpret_cast<const void*>(packed_ptr),
-                            dtype, n, col_begin, col_end < 0 ? n : col_end, reinterpret_cast<float*>(y_ptr), n);
-      }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
+                            format, n, col_begin, col_end < 0 ? n : col_end, reinterpret_cast<float*>(y_ptr), n);
+      }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_format"), py::arg("n"),
       py::arg("y_ptr"), py::arg("col_begin") = 0, py::arg("col_end") = -1,
       "y [m, n] = x [m, k] @ W^T (float32, contiguous) over W packed by host_linear_pack; releases the GIL. "
       "col_begin / col_end (-1: n), on panel edges: only those output columns are written, with the bits the "
       "whole product gives them (two processes may split one product).");
   m.def("host_linear_two_threads", [](std::uintptr_t x_ptr, std::int64_t m, std::int64_t k, std::uintptr_t packed_ptr,
-                                      const std::string& packed_dtype, std::int64_t n, std::uintptr_t y_ptr) {
-        const DType dtype = parse_dtype(packed_dtype);
+                                      const std::string& packed_format, std::int64_t n, std::uintptr_t y_ptr) {
+        const PackedFormat format = parse_packed_format(packed_format);
         py::gil_scoped_release nogil;
         host_linear_two_threads(reinterpret_cast<const float*>(x_ptr), m, k, reinterpret_cast<const void*>(packed_ptr),
-                                dtype, n, reinterpret_cast<float*>(y_ptr));
-      }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_dtype"), py::arg("n"),
+                                format, n, reinterpret_cast<float*>(y_ptr));
+      }, py::arg("x_ptr"), py::arg("m"), py::arg("k"), py::arg("packed_ptr"), py::arg("packed_format"), py::arg("n"),
       py::arg("y_ptr"),
       "host_linear over the caller and the core's helper thread when the product is large (a prefill's); the same "
       "bits. Releases the GIL.");
@@ -587,23 +593,23 @@ PYBIND11_MODULE(_core, m) {
   py::class_<HostQwen3Weights>(m, "HostQwen3Layer",
                                "One Qwen3 decoder layer's packed weights and norms (pointers), for host_qwen3_layer.")
       .def(py::init([](std::uintptr_t qkv, std::uintptr_t o, std::uintptr_t gate_up, std::uintptr_t down,
-                       const std::vector<std::string>& packed_dtypes, std::uintptr_t input_norm,
+                       const std::vector<std::string>& packed_formats, std::uintptr_t input_norm,
                        std::uintptr_t post_norm, std::uintptr_t q_norm, std::uintptr_t k_norm) {
-             if (packed_dtypes.size() != 4)
-               throw std::invalid_argument("HostQwen3Layer: packed_dtypes has " + std::to_string(packed_dtypes.size()) +
+             if (packed_formats.size() != 4)
+               throw std::invalid_argument("HostQwen3Layer: packed_formats has " + std::to_string(packed_formats.size()) +
                                            " names; expected 4 (qkv, o, gate_up, down)");
              HostQwen3Weights w;
              const std::uintptr_t ptrs[4] = {qkv, o, gate_up, down};
              HostPackedLinear* lins[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
              for (int i = 0; i < 4; ++i)
-               *lins[i] = {reinterpret_cast<const void*>(ptrs[i]), parse_dtype(packed_dtypes[i])};
+               *lins[i] = {reinterpret_cast<const void*>(ptrs[i]), parse_packed_format(packed_formats[i])};
              w.input_norm = reinterpret_cast<const float*>(input_norm);
              w.post_norm = reinterpret_cast<const float*>(post_norm);
              w.q_norm = reinterpret_cast<const float*>(q_norm);
              w.k_norm = reinterpret_cast<const float*>(k_norm);
              return w;
            }),
-           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("packed_dtypes"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("packed_formats"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"))
       .def("forward", [](const HostQwen3Weights& w, std::int64_t hidden, std::int64_t heads, std::int64_t kv_heads,
                          std::int64_t head_dim, std::int64_t intermediate, double eps, std::uintptr_t h,
@@ -641,11 +647,11 @@ PYBIND11_MODULE(_core, m) {
   };
   auto host_ends = [](std::uintptr_t embed, std::int64_t vocab, std::uintptr_t cos_table, std::uintptr_t sin_table,
                       std::int64_t table_len, std::uintptr_t final_norm, double final_eps, std::uintptr_t head,
-                      const std::string& head_dtype, std::int64_t head_vocab) {
+                      const std::string& head_format, std::int64_t head_vocab) {
     return HostQwen3Ends{reinterpret_cast<const float*>(embed), vocab, reinterpret_cast<const float*>(cos_table),
                          reinterpret_cast<const float*>(sin_table), table_len,
                          reinterpret_cast<const float*>(final_norm), static_cast<float>(final_eps),
-                         {reinterpret_cast<const void*>(head), parse_dtype(head_dtype)}, head_vocab};
+                         {reinterpret_cast<const void*>(head), parse_packed_format(head_format)}, head_vocab};
   };
   py::class_<HostQwen3Stack>(m, "HostQwen3Stack", "A target's HostQwen3Layers over its KV cache, run in one call.")
       .def(py::init([](const std::vector<const HostQwen3Weights*>& layers, std::uintptr_t k, std::uintptr_t v,
@@ -689,14 +695,14 @@ PYBIND11_MODULE(_core, m) {
                                          double eps, std::uintptr_t embed, std::int64_t vocab,
                                          std::uintptr_t cos_table, std::uintptr_t sin_table, std::int64_t table_len,
                                          std::uintptr_t final_norm, double final_eps, std::uintptr_t head,
-                                         const std::string& head_dtype, std::int64_t head_vocab,
+                                         const std::string& head_format, std::int64_t head_vocab,
                                          std::uintptr_t tokens, std::int64_t batch, std::int64_t t,
                                          std::uintptr_t positions, std::int64_t last_capture,
                                          std::uintptr_t features, std::int64_t features_width,
                                          std::uintptr_t logits) {
              const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
              const HostQwen3Ends ends = host_ends(embed, vocab, cos_table, sin_table, table_len, final_norm, final_eps,
-                                                  head, head_dtype, head_vocab);
+                                                  head, head_format, head_vocab);
              py::gil_scoped_release nogil;
              host_qwen3_tokens(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
                                ends, reinterpret_cast<const std::int64_t*>(tokens), batch, t,
@@ -705,7 +711,7 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
            py::arg("eps"), py::arg("embed"), py::arg("vocab"), py::arg("cos_table"), py::arg("sin_table"),
-           py::arg("table_len"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("head_dtype"),
+           py::arg("table_len"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("head_format"),
            py::arg("head_vocab"), py::arg("tokens"), py::arg("batch"), py::arg("t"), py::arg("positions"),
            py::arg("last_capture"), py::arg("features"), py::arg("features_width"), py::arg("logits"),
            "A whole forward (host_qwen3_tokens): tokens [batch, t] and positions int64, the embedding [vocab, hidden], "
@@ -716,18 +722,18 @@ PYBIND11_MODULE(_core, m) {
                                       std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate,
                                       double eps, std::uintptr_t embed, std::int64_t vocab, std::uintptr_t cos_table,
                                       std::uintptr_t sin_table, std::int64_t table_len, std::uintptr_t final_norm,
-                                      double final_eps, std::uintptr_t head, const std::string& head_dtype,
+                                      double final_eps, std::uintptr_t head, const std::string& head_format,
                                       std::int64_t head_vocab, std::int64_t last_capture, std::int64_t features_width,
                                       std::uintptr_t lengths) {
              return HostQwen3Verify{&st, {hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)},
                                     host_ends(embed, vocab, cos_table, sin_table, table_len, final_norm, final_eps,
-                                              head, head_dtype, head_vocab),
+                                              head, head_format, head_vocab),
                                     last_capture, features_width, reinterpret_cast<const std::int64_t*>(lengths)};
            },
            py::keep_alive<0, 1>(), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("intermediate"), py::arg("eps"), py::arg("embed"), py::arg("vocab"), py::arg("cos_table"),
            py::arg("sin_table"), py::arg("table_len"), py::arg("final_norm"), py::arg("final_eps"), py::arg("head"),
-           py::arg("head_dtype"), py::arg("head_vocab"), py::arg("last_capture"), py::arg("features_width"),
+           py::arg("head_format"), py::arg("head_vocab"), py::arg("last_capture"), py::arg("features_width"),
            py::arg("lengths"),
            "A decode's verify bound once: tokens_forward's ends and capture, and the cache's committed lengths "
            "[batch] int64, read at each run (the caller keeps every buffer alive and in place).")
@@ -755,12 +761,12 @@ PYBIND11_MODULE(_core, m) {
            "the final-normed rows keep_from.. of each block. Releases the GIL.")
       .def("context_forward", [](const HostQwen3Stack& st, std::int64_t hidden, std::int64_t heads,
                                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t intermediate, double eps,
-                                 std::uintptr_t fc, const std::string& fc_dtype, std::int64_t feature_width,
+                                 std::uintptr_t fc, const std::string& fc_format, std::int64_t feature_width,
                                  std::uintptr_t context_norm, std::uintptr_t features, std::int64_t batch,
                                  std::int64_t t, std::uintptr_t lengths, std::uintptr_t counts, std::uintptr_t cos,
                                  std::uintptr_t sin) {
              const HostQwen3Dims dims{hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps)};
-             const HostPackedLinear fc_w{reinterpret_cast<const void*>(fc), parse_dtype(fc_dtype)};
+             const HostPackedLinear fc_w{reinterpret_cast<const void*>(fc), parse_packed_format(fc_format)};
              py::gil_scoped_release nogil;
              host_context_kv(dims, st.weights.data(), st.caches.data(), static_cast<std::int64_t>(st.weights.size()),
                              fc_w, feature_width, reinterpret_cast<const float*>(context_norm),
@@ -770,7 +776,7 @@ PYBIND11_MODULE(_core, m) {
                              reinterpret_cast<const float*>(sin));
            },
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
-           py::arg("eps"), py::arg("fc"), py::arg("fc_dtype"), py::arg("feature_width"), py::arg("context_norm"),
+           py::arg("eps"), py::arg("fc"), py::arg("fc_format"), py::arg("feature_width"), py::arg("context_norm"),
            py::arg("features"), py::arg("batch"), py::arg("t"), py::arg("lengths"), py::arg("counts"), py::arg("cos"),
            py::arg("sin"),
            "A drafter's context update (host_context_kv) into its context cache: features [batch * t, feature_width] "

@@ -61,9 +61,32 @@ class FlakyDrafter(Drafter):
         return super().boundary_logits(*args, **kwargs)
 
 
+def _recast(drafter: Drafter, cls: type, **attrs) -> Drafter:
+    """`drafter`'s weights (shared, not copied) in a subclass `cls`, with these attributes."""
+    out = copy.copy(drafter)
+    out.__class__ = cls
+    for name, value in attrs.items():
+        setattr(out, name, value)
+    return out
+
+
 def flaky(drafter: Drafter, fail_at: int) -> FlakyDrafter:
     """`drafter`'s weights (shared, not copied) in a FlakyDrafter."""
-    out = copy.copy(drafter)
-    out.__class__ = FlakyDrafter
-    out.fail_at = fail_at
-    return out
+    return _recast(drafter, FlakyDrafter, fail_at=fail_at)
+
+
+class MathCheckedDrafter(Drafter):
+    """A drafter whose boundary forward raises unless its projections and its output head have host math
+    `math`: wherever it runs (a drafter worker process included), a lost setting fails the decode."""
+    math = "float32"
+
+    def boundary_logits(self, *args, **kwargs):
+        found = {m.host_math for m in self.modules() if hasattr(m, "host_math")} | {self.lm_head.host_math}
+        if found != {self.math}:
+            raise RuntimeError(f"host math {sorted(found)}, expected {self.math!r}")
+        return super().boundary_logits(*args, **kwargs)
+
+
+def math_checked(drafter: Drafter, math: str) -> MathCheckedDrafter:
+    """`drafter`'s weights (shared, not copied) in a MathCheckedDrafter expecting `math`."""
+    return _recast(drafter, MathCheckedDrafter, math=math)

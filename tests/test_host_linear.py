@@ -155,7 +155,7 @@ def test_refusals_name_the_value():
     with pytest.raises(ValueError, match=r"weight \[0, 1\] = 0.333333 is not a bfloat16 value"):
         w, packed = torch.tensor([[1.0, 1 / 3]]), torch.empty(64, dtype=torch.int16)
         _core.host_linear_pack(w.data_ptr(), 1, 2, packed.data_ptr(), "bfloat16")
-    with pytest.raises(ValueError, match="packed dtype float16"):
+    with pytest.raises(ValueError, match="packed format 'float16', expected 'float32', 'bfloat16' or 'bf16_dot'"):
         _core.host_linear(0, 1, 2, 0, "float16", 1, 0)
     with torch.no_grad(), pytest.raises(ValueError, match=r"input \(2, 5\) has 5 features; expected 16"):
         _layer(24, 16, bf16_exact=True)(torch.zeros(2, 5))

@@ -67,7 +67,7 @@ def test_from_hidden_arguments_are_checked():
     with pytest.raises(ValueError, match=r"temperature = -1.0, expected a finite float >= 0"):
         markov.from_hidden(hidden, r, bonus, -1.0, head=head.packed(), logits=logits)
     assert markov.from_hidden(hidden, r, bonus, 0, head=head.packed(), logits=logits)[1] is None  # an int, as __call__
-    with pytest.raises(ValueError, match="head dtype int32, expected float32 or bfloat16"):
+    with pytest.raises(ValueError, match="packed format 'int32', expected 'float32', 'bfloat16' or 'bf16_dot'"):
         _core.markov_head_hidden_host(hidden.data_ptr(), 2, D + 1, D, H, r.numpy(), head.packed()[0].data_ptr(),
                                       "int32", V, logits.data_ptr(), bonus.numpy(), markov.w1.data_ptr(),
                                       markov.w2.data_ptr(), R, 0.0, 0, 0, np.zeros((2, D), dtype=np.int64), 0)

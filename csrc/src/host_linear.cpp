@@ -1,5 +1,5 @@
 // The host linear layer (see dpara_rt/host_linear.h): an MR x 32 register tile of float32 accumulators, one
-// packed weight panel streamed through it in k order.
+// packed weight panel streamed through it in k order. bf16_dot panels: host_linear_dot.cpp.
 #include "dpara_rt/host_linear.h"
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <sched.h>
 #endif
 
+#include "host_linear_dot.h"
 #include "spin.h"
 #include "two_parts.h"
 #include "util.h"
@@ -271,26 +272,48 @@ void check_extents(const char* what, std::int64_t n, std::int64_t k) {
   if (n < 1 || k < 1) detail::value_error(what, ": n = ", n, " and k = ", k, " must both be >= 1");
 }
 
-void check_packed_dtype(const char* what, DType dtype) {
-  if (dtype != DType::float32 && dtype != DType::bfloat16)
-    detail::value_error(what, ": packed dtype ", dtype_name(dtype), ", expected float32 or bfloat16");
+void check_format(const char* what, PackedFormat format) {
+  if (format != PackedFormat::float32 && format != PackedFormat::bfloat16 && format != PackedFormat::bf16_dot)
+    detail::value_error(what, ": packed format ", int(format), ", expected float32, bfloat16 or bf16_dot");
 }
 
 }  // namespace
 
-std::int64_t host_linear_packed_elems(std::int64_t n, std::int64_t k) {
+PackedFormat parse_packed_format(const std::string& name) {
+  for (PackedFormat f : {PackedFormat::float32, PackedFormat::bfloat16, PackedFormat::bf16_dot})
+    if (name == packed_format_name(f)) return f;
+  detail::value_error("packed format '", name, "', expected 'float32', 'bfloat16' or 'bf16_dot'");
+}
+
+const char* packed_format_name(PackedFormat format) {
+  switch (format) {
+    case PackedFormat::float32: return "float32";
+    case PackedFormat::bfloat16: return "bfloat16";
+    case PackedFormat::bf16_dot: return "bf16_dot";
+  }
+  return "?";
+}
+
+std::size_t packed_format_size(PackedFormat format) { return format == PackedFormat::float32 ? 4 : 2; }
+
+bool host_linear_bf16_dot_native() { return detail::bf16_dot_native(); }
+
+std::int64_t host_linear_packed_elems(std::int64_t n, std::int64_t k, PackedFormat format) {
   check_extents("host_linear_packed_elems", n, k);
+  check_format("host_linear_packed_elems", format);
   const std::int64_t panels = (n + kPanel - 1) / kPanel;
-  return detail::checked_mul("host_linear_packed_elems: ", detail::checked_mul("", panels, kPanel, "columns"), k,
+  const std::int64_t depth = format == PackedFormat::bf16_dot ? 2 * detail::dot_pairs(k) : k;
+  return detail::checked_mul("host_linear_packed_elems: ", detail::checked_mul("", panels, kPanel, "columns"), depth,
                              "elements");
 }
 
-void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* packed, DType packed_dtype) {
+void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* packed, PackedFormat format) {
   constexpr const char* kWhat = "host_linear_pack";
   check_extents(kWhat, n, k);
-  check_packed_dtype(kWhat, packed_dtype);
-  const std::int64_t elems = host_linear_packed_elems(n, k);
-  if (packed_dtype == DType::bfloat16) {
+  check_format(kWhat, format);
+  const std::int64_t elems = host_linear_packed_elems(n, k, format);
+  if (format == PackedFormat::bf16_dot) return detail::pack_bf16_dot(w, n, k, static_cast<std::uint16_t*>(packed));
+  if (format == PackedFormat::bfloat16) {
     for (std::int64_t i = 0; i < n * k; ++i) {
       std::uint32_t bits;
       std::memcpy(&bits, w + i, sizeof bits);
@@ -299,7 +322,7 @@ void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* pack
                             " is not a bfloat16 value; pack this layer as float32");
     }
   }
-  const bool bf16 = packed_dtype == DType::bfloat16;
+  const bool bf16 = format == PackedFormat::bfloat16;
   auto fill = [&](auto* out, auto convert) {
     std::fill(out, out + elems, convert(0.0f));
     for (std::int64_t c = 0; c < n; ++c)
@@ -317,16 +340,16 @@ void host_linear_pack(const float* w, std::int64_t n, std::int64_t k, void* pack
   }
 }
 
-void host_linear(const float* x, std::int64_t m, std::int64_t k, const void* packed, DType packed_dtype,
+void host_linear(const float* x, std::int64_t m, std::int64_t k, const void* packed, PackedFormat format,
                  std::int64_t n, float* y) {
-  host_linear_columns(x, m, k, packed, packed_dtype, n, 0, n, y, n);
+  host_linear_columns(x, m, k, packed, format, n, 0, n, y, n);
 }
 
-void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const void* packed, DType packed_dtype,
+void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const void* packed, PackedFormat format,
                          std::int64_t n, std::int64_t col_begin, std::int64_t col_end, float* y, std::int64_t ldy) {
   constexpr const char* kWhat = "host_linear";
   check_extents(kWhat, n, k);
-  check_packed_dtype(kWhat, packed_dtype);
+  check_format(kWhat, format);
   if (m < 0) detail::value_error(kWhat, ": m = ", m, " rows, expected >= 0");
   if (col_begin < 0 || col_begin > col_end || col_end > n || (col_begin % kPanel != 0 && col_begin != n) ||
       (col_end % kPanel != 0 && col_end != n))
@@ -335,7 +358,9 @@ void host_linear_columns(const float* x, std::int64_t m, std::int64_t k, const v
   if (ldy < n) detail::value_error(kWhat, ": ldy = ", ldy, ", expected >= n = ", n, " (y's row stride in floats)");
   detail::checked_mul("host_linear: ", m, std::max(ldy, k), "elements");
   const std::int64_t p0 = col_begin / kPanel, p1 = (col_end + kPanel - 1) / kPanel;
-  if (packed_dtype == DType::bfloat16)
+  if (format == PackedFormat::bf16_dot)
+    detail::linear_bf16_dot(x, m, k, static_cast<const std::uint16_t*>(packed), n, p0, p1, y, ldy);
+  else if (format == PackedFormat::bfloat16)
     linear_bf16(x, m, k, static_cast<const std::uint16_t*>(packed), n, p0, p1, y, ldy);
   else
     linear_f32(x, m, k, static_cast<const float*>(packed), n, p0, p1, y, ldy);
@@ -482,15 +507,15 @@ void host_two_parts(const std::function<void(int)>& part) {
 }
 
 void host_linear_two_threads(const float* x, std::int64_t m, std::int64_t k, const void* packed,
-                             DType packed_dtype, std::int64_t n, float* y) {
+                             PackedFormat format, std::int64_t n, float* y) {
   const std::int64_t split = (n + kPanel - 1) / kPanel / 2 * kPanel;  // columns [0, split) here, the rest there
   // Every argument checked before either thread writes (an empty range checks them all).
-  host_linear_columns(x, m, k, packed, packed_dtype, n, split, split, y, n);
+  host_linear_columns(x, m, k, packed, format, n, split, split, y, n);
   Helper* helper = split > 0 && m * n >= kTwoThreadMacs / k ? Helper::get() : nullptr;
   if (helper == nullptr || helper->on_callers_core() ||
-      !helper->try_start([=] { host_linear_columns(x, m, k, packed, packed_dtype, n, split, n, y, n); }))
-    return host_linear(x, m, k, packed, packed_dtype, n, y);
-  host_linear_columns(x, m, k, packed, packed_dtype, n, 0, split, y, n);
+      !helper->try_start([=] { host_linear_columns(x, m, k, packed, format, n, split, n, y, n); }))
+    return host_linear(x, m, k, packed, format, n, y);
+  host_linear_columns(x, m, k, packed, format, n, 0, split, y, n);
   helper->wait();
 }
 

@@ -164,7 +164,7 @@ DPARA_RT_HOT void store_context_kv(const HostQwen3Dims& dm, const HostQwen3Weigh
 
 constexpr std::int64_t kPrefillTokens = 32;  // tokens per row from which a forward is a prefill, not a verify
 
-using Linear = void (*)(const float*, std::int64_t, std::int64_t, const void*, DType, std::int64_t, float*);
+using Linear = void (*)(const float*, std::int64_t, std::int64_t, const void*, PackedFormat, std::int64_t, float*);
 
 // The layer's second half over rows of h [rows, hidden]: h += o(attn), then h += down(silu(gate(x)) * up(x)) over
 // the post-attention norm of h.
@@ -172,10 +172,10 @@ void finish_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, 
                   const float* attn, Linear linear) {
   const std::int64_t hd = dm.hidden, qd = dm.heads * dm.head_dim, n = dm.intermediate;
   const Scratch xn = scratch(rows * hd), proj = scratch(rows * hd), gu = scratch(rows * 2 * n), act = scratch(rows * n);
-  linear(attn, rows, qd, w.o.data, w.o.dtype, hd, proj.get());
+  linear(attn, rows, qd, w.o.data, w.o.format, hd, proj.get());
   add_rows(h, proj.get(), rows * hd);
   norm_rows(h, w.post_norm, rows, hd, dm.eps, xn.get());
-  linear(xn.get(), rows, hd, w.gate_up.data, w.gate_up.dtype, 2 * n, gu.get());
+  linear(xn.get(), rows, hd, w.gate_up.data, w.gate_up.format, 2 * n, gu.get());
   if (linear == host_linear_two_threads) {  // a prefill: the helper takes half the rows here too
     const std::int64_t half = rows / 2;
     host_two_parts([&](int part) {
@@ -185,7 +185,7 @@ void finish_layer(const HostQwen3Dims& dm, const HostQwen3Weights& w, float* h, 
   } else {
     silu_mul(gu.get(), rows, n, act.get());
   }
-  linear(act.get(), rows, n, w.down.data, w.down.dtype, hd, proj.get());
+  linear(act.get(), rows, n, w.down.data, w.down.format, hd, proj.get());
   add_rows(h, proj.get(), rows * hd);
 }
 
@@ -198,7 +198,7 @@ Scratch project_qkv(const HostQwen3Dims& dm, const HostQwen3Weights& w, const fl
   const std::int64_t width = (dm.heads + 2 * dm.kv_heads) * dm.head_dim;
   Scratch xn = scratch(rows * hd), qkv = scratch(rows * width);
   norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.get());
-  linear(xn.get(), rows, hd, w.qkv.data, w.qkv.dtype, width, qkv.get());
+  linear(xn.get(), rows, hd, w.qkv.data, w.qkv.format, width, qkv.get());
   qk_rope_store(dm, w, qkv.get(), batch, t, positions, cos, sin, cache);
   return qkv;
 }
@@ -271,9 +271,6 @@ void host_qwen3_tokens(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
   if (ends.vocab < 1 || ends.table_len < 1 || ends.head_vocab < 1 || !(ends.final_eps > 0))
     detail::value_error(kWhat, ": vocab ", ends.vocab, ", table_len ", ends.table_len, ", head_vocab ",
                         ends.head_vocab, ", final_eps ", ends.final_eps, "; expected each >= 1 and eps > 0");
-  if (ends.head.dtype != DType::float32 && ends.head.dtype != DType::bfloat16)
-    detail::value_error(kWhat, ": output head dtype ", dtype_name(ends.head.dtype), ", expected float32 or bfloat16 "
-                        "(host_linear_pack's)");
   if (batch < 0 || t < 1) detail::value_error(kWhat, ": batch ", batch, ", t ", t, "; expected batch >= 0, t >= 1");
   const std::int64_t rows = batch * t, hd = dm.head_dim, hidden = dm.hidden;
   if (rows && (!tokens || !positions || !logits))
@@ -301,7 +298,7 @@ void host_qwen3_tokens(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
   if (last_capture >= 0)
     for (std::int64_t r = 0; r < rows; ++r)
       std::memcpy(features + r * features_width + last_capture, normed.data() + r * hidden, sizeof(float) * hidden);
-  host_linear(normed.data(), rows, hidden, ends.head.data, ends.head.dtype, ends.head_vocab, logits);
+  host_linear(normed.data(), rows, hidden, ends.head.data, ends.head.format, ends.head_vocab, logits);
 }
 
 bool host_qwen3_verify(const HostQwen3Dims& dm, const HostQwen3Weights* weights, const HostKVLayer* caches,
@@ -413,7 +410,7 @@ void host_context_kv(const HostQwen3Dims& dm, const HostQwen3Weights* weights, c
   for (std::int64_t r = 0; r < rows; ++r)
     std::memcpy(x.get() + r * feature_width, features + src[r] * feature_width, sizeof(float) * feature_width);
   // A prompt's rows take the second thread, as the target's prefill does (a round's few rows stay here).
-  host_linear_two_threads(x.get(), rows, feature_width, fc.data, fc.dtype, hd, c.get());
+  host_linear_two_threads(x.get(), rows, feature_width, fc.data, fc.format, hd, c.get());
   norm_rows(c.get(), context_norm, rows, hd, dm.eps, cn.get());
   // K and V are the qkv weight's columns after the query's; the product starts on the panel edge at or below them.
   const std::int64_t q_cols = dm.heads * d, width = q_cols + 2 * dm.kv_heads * d;
@@ -422,7 +419,7 @@ void host_context_kv(const HostQwen3Dims& dm, const HostQwen3Weights* weights, c
   for (std::int64_t i = 0; i < n_layers; ++i) {
     const HostQwen3Weights& w = weights[i];
     const HostKVLayer& cache = contexts[i];
-    host_linear_columns(cn.get(), rows, hd, w.qkv.data, w.qkv.dtype, width, begin, width, qkv.get(), width);
+    host_linear_columns(cn.get(), rows, hd, w.qkv.data, w.qkv.format, width, begin, width, qkv.get(), width);
     store_context_kv(dm, w, qkv.get(), rows, src.data(), t, lengths, cos, sin, cache);
   }
 }

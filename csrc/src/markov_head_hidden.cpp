@@ -11,7 +11,7 @@ namespace dpara_rt {
 
 void markov_head_hidden_host(const float* hidden, std::int64_t batch, std::int64_t n_rows, int d,
                              std::int64_t hidden_dim, const std::int64_t* r, const void* head_packed,
-                             DType head_dtype, std::int64_t vocab, float* logits, const std::int64_t* bonus,
+                             PackedFormat head_format, std::int64_t vocab, float* logits, const std::int64_t* bonus,
                              const float* w1, const float* w2, std::int64_t rank, double temperature,
                              std::uint64_t seed, std::uint64_t offset, std::int64_t* draft_out, float* q_out,
                              const void* w2t, DType w2t_dtype, const float* w2_norms, const float* noise,
@@ -24,8 +24,6 @@ void markov_head_hidden_host(const float* hidden, std::int64_t batch, std::int64
   detail::check_draft_length(d, "markov_head_hidden_host:");
   if (hidden_dim < 1) value_error(what, "hidden_dim = ", hidden_dim, ", expected >= 1");
   if (vocab < 1) value_error(what, "vocab = ", vocab, ", expected >= 1");
-  if (head_dtype != DType::float32 && head_dtype != DType::bfloat16)
-    value_error(what, "head dtype ", dtype_name(head_dtype), ", expected float32 or bfloat16 (host_linear_pack's)");
   const std::int64_t branch = checked_mul(what, d, hidden_dim, "d * hidden_dim");  // floats per branch
   checked_mul(what, checked_mul(what, checked_mul(what, batch, n_rows, "batch * n_rows"), branch, "hidden floats"),
               std::int64_t(sizeof(float)), "hidden bytes");
@@ -50,7 +48,7 @@ void markov_head_hidden_host(const float* hidden, std::int64_t batch, std::int64
                   std::size_t(branch) * sizeof(float));
     rows = gathered.data();
   }
-  host_linear(rows, batch * d, hidden_dim, head_packed, head_dtype, vocab, logits);
+  host_linear(rows, batch * d, hidden_dim, head_packed, head_format, vocab, logits);
   thread_local std::vector<std::int64_t> first;  // the projected logits hold one row per request
   first.assign(std::size_t(batch), 0);
   markov_head_host(logits, DType::float32, batch, 1, d, vocab, std::int64_t(d) * vocab, first.data(), bonus, w1, w2,

@@ -42,13 +42,13 @@ Layer make_layer(const HostQwen3Dims& dm, std::uint32_t seed) {
   Layer l;
   for (auto& s : shapes) {
     const F w = noise(s[0] * s[1], seed++, 0.4f);
-    l.packed.emplace_back(host_linear_packed_elems(s[0], s[1]));
-    host_linear_pack(w.data(), s[0], s[1], l.packed.back().data(), DType::float32);
+    l.packed.emplace_back(host_linear_packed_elems(s[0], s[1], PackedFormat::float32));
+    host_linear_pack(w.data(), s[0], s[1], l.packed.back().data(), PackedFormat::float32);
   }
   l.norms = noise(2 * hd + 2 * dm.head_dim, seed, 0.5f);
   for (auto& v : l.norms) v += 1.0f;
   HostPackedLinear* lins[4] = {&l.w.qkv, &l.w.o, &l.w.gate_up, &l.w.down};
-  for (int i = 0; i < 4; ++i) *lins[i] = {l.packed[i].data(), DType::float32};
+  for (int i = 0; i < 4; ++i) *lins[i] = {l.packed[i].data(), PackedFormat::float32};
   l.w.input_norm = l.norms.data();
   l.w.post_norm = l.norms.data() + hd;
   l.w.q_norm = l.norms.data() + 2 * hd;
@@ -251,11 +251,11 @@ void test_the_context_update_stores_what_the_layer_stores() {
 
   F eye(hd * hd, 0.0f);
   for (std::int64_t i = 0; i < hd; ++i) eye[i * hd + i] = 1.0f;
-  std::vector<float> fc(host_linear_packed_elems(hd, hd));
-  host_linear_pack(eye.data(), hd, hd, fc.data(), DType::float32);
+  std::vector<float> fc(host_linear_packed_elems(hd, hd, PackedFormat::float32));
+  host_linear_pack(eye.data(), hd, hd, fc.data(), PackedFormat::float32);
   F k_ctx(batch * row_stride, -7.0f), v_ctx(batch * row_stride, -7.0f);
   const HostKVLayer ctx{k_ctx.data(), v_ctx.data(), row_stride, head_stride, max_len};
-  host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), DType::float32}, hd, l.w.input_norm, x.data(), batch, t, lengths,
+  host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), PackedFormat::float32}, hd, l.w.input_norm, x.data(), batch, t, lengths,
                   counts, cos.data(), sin.data());
   std::int64_t written = 0, untouched = 0;
   for (std::int64_t b = 0; b < batch; ++b)
@@ -275,10 +275,10 @@ void test_the_context_update_stores_what_the_layer_stores() {
 
   const F before = k_ctx;
   const std::int64_t too_many[2] = {3, 4}, too_long[2] = {6, 0};
-  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), DType::float32}, hd, l.w.input_norm, x.data(), batch, t,
+  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), PackedFormat::float32}, hd, l.w.input_norm, x.data(), batch, t,
                                lengths, too_many, cos.data(), sin.data()),
                std::invalid_argument, "counts[1] = 4");
-  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), DType::float32}, hd, l.w.input_norm, x.data(), batch, t,
+  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), PackedFormat::float32}, hd, l.w.input_norm, x.data(), batch, t,
                                too_long, counts, cos.data(), sin.data()),
                std::invalid_argument, "lengths[0] = 6 + counts[0] = 3");
   CHECK(max_abs_diff(before.data(), k_ctx.data(), batch * row_stride) == 0.0f);
@@ -302,10 +302,10 @@ void test_a_whole_forward_is_its_steps() {
   F cos_table, sin_table;
   rope(dm, all_pos, cos_table, sin_table);
   const F embed = noise(vocab * hd, 21, 2.0f), final_norm = noise(hd, 23, 0.5f), head_w = noise(vocab * hd, 25, 0.4f);
-  std::vector<float> head(host_linear_packed_elems(vocab, hd));
-  host_linear_pack(head_w.data(), vocab, hd, head.data(), DType::float32);
+  std::vector<float> head(host_linear_packed_elems(vocab, hd, PackedFormat::float32));
+  host_linear_pack(head_w.data(), vocab, hd, head.data(), PackedFormat::float32);
   const HostQwen3Ends ends{embed.data(), vocab, cos_table.data(), sin_table.data(), table, final_norm.data(), 1e-6f,
-                           {head.data(), DType::float32}, vocab};
+                           {head.data(), PackedFormat::float32}, vocab};
   const std::vector<std::int64_t> tokens = {3, 17, 39, 0, 8, 8}, pos = {4, 5, 6, 1, 2, 3};
   const std::vector<std::int64_t> capture = {0, -1};
   const std::int64_t rows = batch * t, fw = 2 * hd;
@@ -327,7 +327,7 @@ void test_a_whole_forward_is_its_steps() {
   host_rms_norm(h.data(), final_norm.data(), rows, hd, 1e-6f, normed.data());
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t i = 0; i < hd; ++i) feats2[r * fw + hd + i] = normed[r * hd + i];
-  host_linear(normed.data(), rows, hd, head.data(), DType::float32, vocab, logits2.data());
+  host_linear(normed.data(), rows, hd, head.data(), PackedFormat::float32, vocab, logits2.data());
   CHECK(max_abs_diff(logits.data(), logits2.data(), rows * vocab) == 0.0f);
   CHECK(max_abs_diff(feats.data(), feats2.data(), rows * fw) == 0.0f);
   CHECK(max_abs_diff(k1.data(), k2.data(), layers * layer_size) == 0.0f);
@@ -365,7 +365,7 @@ void test_a_whole_forward_is_its_steps() {
   F poisoned = embed;
   poisoned[17 * hd] = std::nanf("");  // token 17's embedding: its row's logits turn NaN
   const HostQwen3Ends poisoned_ends{poisoned.data(), vocab, cos_table.data(), sin_table.data(), table,
-                                    final_norm.data(), 1e-6f, {head.data(), DType::float32}, vocab};
+                                    final_norm.data(), 1e-6f, {head.data(), PackedFormat::float32}, vocab};
   CHECK(!host_qwen3_verify(dm, ws.data(), c3.data(), layers, poisoned_ends, tokens.data(), batch, t, lengths.data(),
                            capture.data(), hd, feats3.data(), fw, logits3.data(), argmax.data()));
 }

@@ -211,16 +211,16 @@ static void test_hidden_branch_through_the_output_head() {
   HandCase c;
   const F hidden{9, 0, 0, 0, 0, 9, 0, 0, 0.5f, 1, 3, 3};
   const F eye{1, 0, 0, 0, 1, 0, 0, 0, 1};
-  std::vector<float> packed(std::size_t(host_linear_packed_elems(3, 3)));
-  host_linear_pack(eye.data(), 3, 3, packed.data(), DType::float32);
+  std::vector<float> packed(std::size_t(host_linear_packed_elems(3, 3, PackedFormat::float32)));
+  host_linear_pack(eye.data(), 3, 3, packed.data(), PackedFormat::float32);
   F logits(6, -1.0f);
   I draft(2, -1);
-  markov_head_hidden_host(hidden.data(), 1, 2, 2, 3, c.r.data(), packed.data(), DType::float32, 3, logits.data(),
+  markov_head_hidden_host(hidden.data(), 1, 2, 2, 3, c.r.data(), packed.data(), PackedFormat::float32, 3, logits.data(),
                           c.bonus.data(), c.w1.data(), c.w2.data(), 1, 0.0, 0, 0, draft.data(), nullptr);
   CHECK((logits == F{0, 0, 0.5f, 1, 3, 3}));
   CHECK((draft == I{1, 1}));
   I bad_r{2};
-  CHECK_THROWS(markov_head_hidden_host(hidden.data(), 1, 2, 2, 3, bad_r.data(), packed.data(), DType::float32, 3,
+  CHECK_THROWS(markov_head_hidden_host(hidden.data(), 1, 2, 2, 3, bad_r.data(), packed.data(), PackedFormat::float32, 3,
                                        logits.data(), c.bonus.data(), c.w1.data(), c.w2.data(), 1, 0.0, 0, 0,
                                        draft.data(), nullptr),
                std::invalid_argument, "r[0] = 2, expected 0..1");

@@ -14,6 +14,7 @@ import sys
 import time
 
 from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_methods, table
+from dpara_rt.models.host_linear import HOST_MATHS
 from dpara_rt.methods import METHODS, VARIANTS
 
 GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara-logits", "dpara-hidden", "dpara-single", "auto")
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=None, help="HumanEval prompts per configuration")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--methods", default=",".join(GRID_METHODS))
+    p.add_argument("--host-math", choices=HOST_MATHS, default=None,
+                   help="the host projections' arithmetic: float32, or bf16 (bfloat16 dot products into float32); "
+                        "default bf16 where the CPU has AVX512-BF16, else float32")
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"bench_e2e: error: --out {args.out} is a file; expected a directory", file=sys.stderr)
@@ -102,10 +106,12 @@ def main(argv=None) -> int:
         batches, temps, ds, resources = (1, 2, 4, 8, 16), (0.0, 1.0), (4, 7), ("paper", "matched")
         n_prompts, max_new = args.prompts or 32, args.max_new_tokens or 64
 
-    tokenizer, target, drafter = load_pair()
+    tokenizer, target, drafter = load_pair(host_math=args.host_math)
+    math = target.lm_head.host_math
     prompts = humaneval_prompts(tokenizer, n_prompts)
     rows = []
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    log(f"host math {math}")
     for res in resources:
         for temperature in temps:
             for d in ds:
@@ -113,7 +119,9 @@ def main(argv=None) -> int:
                     # The matched setting changes only the serial methods: re-run those alone.
                     ms = [m for m in methods if m in SERIAL] if res == "matched" else methods
                     log(f"[{res}] batch {batch}, temperature {temperature}, d {d}")
-                    cfg_rows = run_config(target, drafter, prompts, batch, temperature, d, res, max_new, ms, log)
+                    cfg_rows = [dict(r, host_math=math)
+                                for r in run_config(target, drafter, prompts, batch, temperature, d, res, max_new, ms,
+                                                    log)]
                     rows += cfg_rows
                     print(f"\n[{res} resources] batch {batch}, temperature {temperature}, d {d}")
                     print(table(cfg_rows))

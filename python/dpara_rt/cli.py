@@ -10,6 +10,7 @@ import tempfile
 import warnings
 
 from dpara_rt.methods import VARIANTS, needs_drafter, variant
+from dpara_rt.models.host_linear import HOST_MATHS
 
 
 class CliError(Exception):
@@ -108,7 +109,7 @@ def _load_pair(args):
     device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
     if device is None and dtype is None:
         from dpara_rt.compare import load_pair
-        return load_pair(getattr(args, "models", None))
+        return load_pair(getattr(args, "models", None), getattr(args, "host_math", None))
     from dpara_rt.assets import load_tiny
     from dpara_rt.compare import host_drafter_dtype
     return load_tiny(device=device or "cpu", dtype=dtype or "float32", root=getattr(args, "models", None),
@@ -132,12 +133,13 @@ def cmd_demo(args):
     with tqdm(total=total, desc="methods interleaved", unit="prompt", file=sys.stderr) as bar:
         results = run_methods(DEMO_METHODS, target, drafter, prompts, args.batch, args.max_new_tokens,
                               lambda _, n: bar.update(n), lambda _: dict(d=args.d, temperature=args.temperature))
-    rows = [record(res, results["ar"]) for res in results.values()]
+    math = getattr(target.lm_head, "host_math", "float32")
+    rows = [dict(record(res, results["ar"]), host_math=math) for res in results.values()]
     if args.temperature > 0:
         for r in rows:  # sampled outputs differ from ar's by design; losslessness is what the tests check
             r["identical_to_ar"] = None
     print(f"\nHumanEval, {len(prompts)} prompts, batch {args.batch}, d = {args.d}, temperature {args.temperature}, "
-          f"max_new_tokens {args.max_new_tokens}\n")
+          f"max_new_tokens {args.max_new_tokens}, host math {math}\n")
     print(table(rows))
     if args.temperature == 0:
         same = all(r["identical_to_ar"] for r in rows)
@@ -416,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--d", type=_positive("--d"), default=7)
     demo.add_argument("--out", default="out/demo")
     demo.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
+    demo.add_argument("--host-math", choices=HOST_MATHS, default=None,
+                      help="the host projections' arithmetic: float32, or bf16 (bfloat16 dot products into float32); "
+                           "default bf16 where the CPU has AVX512-BF16, else float32")
     demo.set_defaults(fn=cmd_demo)
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt as text")

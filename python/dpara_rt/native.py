@@ -139,21 +139,22 @@ class HostMarkovHead:
                     seed: int = 0, offset: int = 0, noise: torch.Tensor | None = None, with_q: bool = True, *,
                     head: tuple[torch.Tensor, str], logits: torch.Tensor):
         """The hidden ring's head in one core call: branch r[b]'s hidden states (hidden [B, n_rows, d, H] float32)
-        through the output head (``head``: its packed weight and dtype, ``HostLinear.packed()``) into ``logits``
+        through the output head (``head``: its packed weight and format, ``HostLinear.packed()``) into ``logits``
         [B, d, V] float32, then this head over those logits; (draft, q) as ``__call__`` returns them."""
         if not (type(hidden) is torch.Tensor and hidden.is_cpu and hidden.dtype == torch.float32 and hidden.dim() == 4
                 and hidden.is_contiguous()):
             raise ValueError(f"hidden is {_describe(hidden)}, expected a contiguous float32 CPU tensor [B, n_rows, d, H]")
         batch, n_rows, d, width = hidden.shape
-        packed, dtype = head
-        if packed.numel() != _core.host_linear_packed_elems(self.vocab, width):
+        packed, fmt = head
+        if packed.numel() != _core.host_linear_packed_elems(self.vocab, width, fmt):
             raise ValueError(f"head holds {packed.numel()} packed elements, expected host_linear_packed_elems(V = "
-                             f"{self.vocab}, H = {width}) = {_core.host_linear_packed_elems(self.vocab, width)}")
+                             f"{self.vocab}, H = {width}, {fmt!r}) = "
+                             f"{_core.host_linear_packed_elems(self.vocab, width, fmt)}")
         _host_buffer("logits", logits, torch.float32, (batch, d, self.vocab), "[B, d, V]")
         _check_temperature(temperature)
         r_np, bonus_np = _index_array("r", r, batch), _index_array("bonus", bonus, batch)
         draft, q, rest = self._outputs(batch, d, temperature, seed, offset, noise, with_q)
-        _core.markov_head_hidden_host(hidden.data_ptr(), batch, n_rows, d, width, r_np, packed.data_ptr(), dtype,
+        _core.markov_head_hidden_host(hidden.data_ptr(), batch, n_rows, d, width, r_np, packed.data_ptr(), fmt,
                                       self.vocab, logits.data_ptr(), bonus_np, *rest)
         return draft, q
 

@@ -9,6 +9,7 @@
 // decoding it alone would.
 #include <cstdint>
 
+#include "dpara_rt/host_linear.h"
 #include "dpara_rt/types.h"
 
 namespace dpara_rt {
@@ -18,10 +19,10 @@ struct HostQwen3Dims {
   float eps = 1e-6f;
 };
 
-// A weight packed by host_linear_pack.
+// A weight packed by host_linear_pack, in that format.
 struct HostPackedLinear {
   const void* data = nullptr;
-  DType dtype = DType::float32;
+  PackedFormat format = PackedFormat::float32;
 };
 
 struct HostQwen3Weights {

@@ -10,6 +10,7 @@
 // is never drafted (torch.argmax would pick the first NaN).
 #include <cstdint>
 
+#include "dpara_rt/host_linear.h"
 #include "dpara_rt/markov_bias_cache.h"
 #include "dpara_rt/types.h"
 
@@ -50,7 +51,7 @@ void markov_head_host(const void* boundary, DType boundary_dtype, std::int64_t b
 // remaining arguments as there. The same bits as the projection and the head called one after the other.
 void markov_head_hidden_host(const float* hidden, std::int64_t batch, std::int64_t n_rows, int d,
                              std::int64_t hidden_dim, const std::int64_t* r, const void* head_packed,
-                             DType head_dtype, std::int64_t vocab, float* logits, const std::int64_t* bonus,
+                             PackedFormat head_format, std::int64_t vocab, float* logits, const std::int64_t* bonus,
                              const float* w1, const float* w2, std::int64_t rank, double temperature,
                              std::uint64_t seed, std::uint64_t offset, std::int64_t* draft_out, float* q_out,
                              const void* w2t = nullptr, DType w2t_dtype = DType::float32,

@@ -7,8 +7,15 @@ products and sums are still the float32 model's). Each output element is one FMA
 features in order, so a token's projections are bit for bit the same whether it is verified among T tokens
 or decoded alone.
 
+A module's ``host_math`` picks the arithmetic of its native path: ``"float32"`` (the default: the float32 model's
+products and sums, over bf16 weights widened exactly) or ``"bf16"`` (weights and inputs rounded to bfloat16, two
+products a step summed in float32: AVX512-BF16's dot product, about twice the rate on a verify's few rows, and
+still one chain per element, so verifying T tokens gives each the bits of decoding it alone). ``set_host_math``
+sets it for every projection of a model.
+
 Everything else falls back to ``F.linear``: autograd, other dtypes and devices, a bias. The packed copy
-follows the weight: it is repacked when the weight changes (in place, or a new tensor). ``native_target(False)``
+follows the weight and the math: it is repacked when the weight changes (in place, or a new tensor) or the
+math does. ``native_target(False)``
 (or ``DPARA_RT_NATIVE_TARGET=0`` in the environment) turns the native target paths off, here and in
 ``host_qwen3``: for comparing against torch, or bisecting a numerical question.
 """
@@ -22,7 +29,9 @@ from torch import Tensor, nn
 
 from dpara_rt import _core
 
-__all__ = ["HostLinear", "native_target", "pack_weight", "registrations"]
+__all__ = ["HOST_MATHS", "HostLinear", "native_target", "pack_weight", "registrations", "set_host_math"]
+
+HOST_MATHS = ("float32", "bf16")
 
 _registrations = 0
 _native_enabled = os.environ.get("DPARA_RT_NATIVE_TARGET", "1") != "0"
@@ -56,28 +65,50 @@ def registrations() -> int:
     return _registrations
 
 
-def pack_weight(weight: Tensor) -> tuple[Tensor, str]:
-    """(packed, dtype name) of a float32 CPU weight [N, K] for ``_core.host_linear``: bfloat16 panels when every
-    weight is a bfloat16 value, float32 panels otherwise."""
+def _check_math(math) -> None:
+    if math not in HOST_MATHS:
+        raise ValueError(f"host math {math!r}; expected one of {', '.join(map(repr, HOST_MATHS))}")
+
+
+def pack_weight(weight: Tensor, math: str = "float32") -> tuple[Tensor, str]:
+    """(packed, format name) of a float32 CPU weight [N, K] for ``_core.host_linear``. float32 math: bfloat16
+    panels when every weight is a bfloat16 value, float32 panels otherwise; bf16 math: bf16_dot panels."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack_weight: weight {tuple(weight.shape)} {weight.dtype} on {weight.device}; "
                          "expected a 2-D float32 CPU tensor [out_features, in_features]")
+    _check_math(math)
     w = weight.detach().contiguous()
     n, k = w.shape
-    exact = bool(torch.equal(w, w.to(torch.bfloat16).float()))
-    dtype = "bfloat16" if exact else "float32"
-    packed = torch.empty(_core.host_linear_packed_elems(n, k), dtype=torch.int16 if exact else torch.float32)
-    _core.host_linear_pack(w.data_ptr(), n, k, packed.data_ptr(), dtype)
-    return packed, dtype
+    if math == "bf16":
+        fmt = "bf16_dot"
+    else:
+        fmt = "bfloat16" if bool(torch.equal(w, w.to(torch.bfloat16).float())) else "float32"
+    packed = torch.empty(_core.host_linear_packed_elems(n, k, fmt), dtype=torch.float32 if fmt == "float32" else
+                         torch.int16)
+    _core.host_linear_pack(w.data_ptr(), n, k, packed.data_ptr(), fmt)
+    return packed, fmt
+
+
+def set_host_math(model: nn.Module, math: str) -> None:
+    """Give every HostLinear of `model` (its output head too, when the model only refers to it, as a drafter does
+    to its target's) this arithmetic for its native path: "float32" or "bf16" (see the module docstring). The
+    packed copies follow at their next use."""
+    _check_math(math)
+    linears = [m for m in model.modules() if isinstance(m, HostLinear)]
+    head = getattr(model, "lm_head", None)
+    for m in linears + ([head] if isinstance(head, HostLinear) else []):
+        m.host_math = math
+    _count_registration()  # packed layers walk their modules again at their next use
 
 
 class HostLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) with a native float32 inference path on the CPU."""
 
+    host_math = "float32"  # set_host_math's: the arithmetic of the native path
     _packed: Tensor | None = None
-    _packed_dtype = ""
-    # (weight, its data_ptr, its version) when packed; the weight is held so that its identity is not reused.
-    # A tuple: a Parameter assigned to a module attribute would become a parameter of the module.
+    _packed_dtype = ""  # the packed format's name
+    # (weight, its data_ptr, its version, the math) when packed; the weight is held so that its identity is not
+    # reused. A tuple: a Parameter assigned to a module attribute would become a parameter of the module.
     _packed_for: tuple = ()
 
     def _native(self, x: Tensor) -> bool:
@@ -103,12 +134,13 @@ class HostLinear(nn.Linear):
         return True
 
     def packed(self) -> tuple[Tensor, str]:
-        """(packed weight, dtype name) for ``_core.host_linear``, packed again if the weight changed since."""
+        """(packed weight, format name) for ``_core.host_linear``, packed again if the weight or the math changed
+        since."""
         w = self.weight
         src = self._packed_for
-        if not src or src[0] is not w or src[1] != w.data_ptr() or src[2] != w._version:
-            self._packed, self._packed_dtype = pack_weight(w)
-            self._packed_for = (w, w.data_ptr(), w._version)
+        if not src or src[0] is not w or src[1] != w.data_ptr() or src[2] != w._version or src[3] != self.host_math:
+            self._packed, self._packed_dtype = pack_weight(w, self.host_math)
+            self._packed_for = (w, w.data_ptr(), w._version, self.host_math)
         return self._packed, self._packed_dtype
 
     def _native_into(self, x: Tensor, y: Tensor) -> None:

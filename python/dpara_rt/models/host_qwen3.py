@@ -44,15 +44,21 @@ def _versions(tensors) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t._version) for t in tensors]
 
 
+def _layer_math(layer: nn.Module) -> str:
+    """The layer's host math (set_host_math's): its query projection's."""
+    return getattr(layer.self_attn.q_proj, "host_math", "float32")
+
+
 class _PackedLayer:
     """One layer's packed projections and norm weights, and the core object pointing at them. It holds the
-    parameters it was packed from, so their identity, storage and version say whether it is still current."""
+    parameters it was packed from, so their identity, storage and version say whether it is still current, and
+    the math it was packed for."""
 
-    def __init__(self, tensors: list[Tensor]):
+    def __init__(self, tensors: list[Tensor], math: str):
         self.tensors, self.versions, self.registrations = tensors, _versions(tensors), registrations()
+        self.math = math
         q, k, v, o, gate, up, down = (t.detach() for t in tensors[:7])
-        packs = [pack_weight(torch.cat([q, k, v])), pack_weight(o), pack_weight(torch.cat([gate, up])),
-                 pack_weight(down)]
+        packs = [pack_weight(w, math) for w in (torch.cat([q, k, v]), o, torch.cat([gate, up]), down)]
         self.norms = [t.detach().contiguous() for t in tensors[7:]]
         self.packed = [p for p, _ in packs]
         self.core = _core.HostQwen3Layer(*(p.data_ptr() for p in self.packed), [dt for _, dt in packs],
@@ -62,8 +68,9 @@ class _PackedLayer:
         """Nothing registered since packing (no parameter or module replaced) and the same storage and versions."""
         return self.registrations == registrations() and self.versions == _versions(self.tensors)
 
-    def current(self, tensors: list[Tensor]) -> bool:
-        return all(a is b for a, b in zip(self.tensors, tensors)) and self.versions == _versions(tensors)
+    def current(self, tensors: list[Tensor], math: str) -> bool:
+        return (all(a is b for a, b in zip(self.tensors, tensors)) and self.versions == _versions(tensors)
+                and self.math == math)
 
 
 class VerifyPlan:
@@ -93,9 +100,9 @@ class HostQwen3:
         got = self._layers.get(i)
         if got is not None and got.unchanged():
             return got
-        tensors = _layer_tensors(layer)  # something was registered somewhere: walk this layer's modules
-        if got is None or not got.current(tensors):
-            got = self._layers[i] = _PackedLayer(tensors)
+        tensors, math = _layer_tensors(layer), _layer_math(layer)  # something was registered: walk the modules
+        if got is None or not got.current(tensors, math):
+            got = self._layers[i] = _PackedLayer(tensors, math)
         got.registrations = registrations()
         return got
 
