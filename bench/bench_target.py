@@ -1,11 +1,12 @@
 """CPU timings of the target: one decode step, a verify over 8 tokens, and prefill, at several batch sizes,
-on the native host path (models/host_qwen3.py, host_linear.py) and on the torch path, side by side.
+on the native host path (models/host_qwen3.py, host_linear.py) in float32 math (`native`) and in bf16 math
+(`bf16`: set_host_math's bfloat16 dot products), and on the torch path, side by side.
 
 t_verify8 / t_step bounds what speculation can gain: a round that commits tau tokens costs about
 t_verify8 where autoregressive decoding would spend tau * t_step. The weights are bf16 values held in float32
 (what loading a bf16 checkpoint in float32 gives; --weights fp32 for arbitrary float32 weights).
 
-    python bench/bench_target.py --out bench_target.json [--paths native,torch] [--weights bf16|fp32]
+    python bench/bench_target.py --out bench_target.json [--paths native,bf16,torch] [--weights bf16|fp32]
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from dpara_rt.models.host_linear import native_target
+from dpara_rt.models.host_linear import native_target, set_host_math
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from dpara_rt.models.target import Target
 
@@ -25,7 +26,7 @@ BENCH_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num
                     max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-PATHS = ("native", "torch")
+PATHS = ("native", "bf16", "torch")
 
 
 def random_model(seed: int, bf16_values: bool = True) -> Qwen3ForCausalLM:
@@ -73,7 +74,7 @@ def main(argv=None):
     ap.add_argument("--verify-len", type=int, default=8, help="tokens per verify block (d + 1)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: native, torch")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: native, bf16, torch")
     ap.add_argument("--weights", choices=("bf16", "fp32"), default="bf16",
                     help="bf16: bf16 values in float32 (a bf16 checkpoint); fp32: arbitrary float32 weights")
     args = ap.parse_args(argv)
@@ -87,7 +88,8 @@ def main(argv=None):
     records = []
     for b in args.batches:  # both paths per batch size, back to back: a drift in machine speed hits both
         for path in paths:
-            before = native_target(path == "native")
+            before = native_target(path != "torch")
+            set_host_math(model, "bf16" if path == "bf16" else "float32")
             try:
                 records.append({"path": path, **bench_batch(model, b, args.prompt_len, args.verify_len, layer_ids,
                                                              args.reps)})

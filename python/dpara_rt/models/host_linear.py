@@ -92,7 +92,8 @@ def pack_weight(weight: Tensor, math: str = "float32") -> tuple[Tensor, str]:
 def set_host_math(model: nn.Module, math: str) -> None:
     """Give every HostLinear of `model` (its output head too, when the model only refers to it, as a drafter does
     to its target's) this arithmetic for its native path: "float32" or "bf16" (see the module docstring). The
-    packed copies follow at their next use."""
+    packed copies follow at their next use. The torch path (autograd, other dtypes or devices,
+    ``native_target(False)``) computes in its own dtype whatever the setting."""
     _check_math(math)
     linears = [m for m in model.modules() if isinstance(m, HostLinear)]
     head = getattr(model, "lm_head", None)
