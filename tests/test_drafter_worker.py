@@ -15,7 +15,8 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.core import slot_tensor, staging_tensor
-from dpara_rt.drafter_context import BranchSplit, DrafterWorker, LocalContext, WorkerContext
+from dpara_rt.drafter_context import BranchSplit, LocalContext, WorkerContext
+from dpara_rt.drafter_worker import DrafterWorker
 from dpara_rt.engine import WORKER_SPIN_S, Engine
 from dpara_rt.methods.rounds import Draft
 from engine_pairs import predictable_pair

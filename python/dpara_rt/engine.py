@@ -29,7 +29,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dpara_rt.drafter_context import WORKER_MODES, DrafterWorker
+from dpara_rt.drafter_context import WORKER_MODES
+from dpara_rt.drafter_worker import DrafterWorker
 from dpara_rt.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
 from dpara_rt.methods.options import ring_for
