@@ -1,18 +1,10 @@
-"""The steps of a speculative round, shared by every method, and the values that travel between them.
-
-A round's data are values, not decoder state: a ``Draft`` goes from the drafter lane to the target lane, an
-``Outcome`` from the target lane back to the drafter lane. Between lanes they travel through the core: the
-tokens, ``(r, bonus)`` and the verified block's features through a phase of the double-buffered staging
-(round k uses phase k % 2), boundary logits through a ring slot, each hand-off guarded by the producer's
-lane event, and each phase or slot handed back with the consumer's event. On host lanes the same code is
-correct because a job that records or waits on its own lane does so at its current point, as a stream does.
-"""
+"""The steps of a speculative round, shared by every method (``Decoder``); the values that travel between them
+are in ``round_values`` (re-exported here)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import warnings
-from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -26,71 +18,13 @@ from dpara_rt.core import branch_rows, slot_tensor, stage_in, staging_tensor
 from dpara_rt.drafter_context import LocalContext, WorkerContext
 from dpara_rt.lanes import Lane
 from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
+from dpara_rt.methods.round_values import Draft, Outcome, Verified
 from dpara_rt.models.target import Target
 from dpara_rt.native import HostMarkovHead, all_finite
 from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
 from dpara_rt.sampling import make_generator, probs, sample, stop_at_non_finite, uniforms
 
 _ROW_STREAM_SHIFT = 40  # per-row Markov head calls under one seed: row b's Philox offset is calls + (b << 40)
-
-
-@dataclass(frozen=True)
-class Draft:
-    """A draft on its way to verification (drafter lane -> target lane)."""
-    round: int               # the round that verifies it
-    bonus: Tensor            # [B] long, host: s_0, the last round's bonus
-    tokens: Tensor | None    # [B, d] long on the drafter's device: t_1..t_d (None: an AR round)
-    staged: Tensor | None    # the same tokens in staging, int32 [B, d]: what the target lane reads
-    q: Tensor | PendingQ | None  # the drafter's distributions [B, d, V] when sampling (PendingQ: the worker's)
-    ready: _core.Event       # drafter lane, after the tokens and q were written
-
-    def spine(self, device) -> Tensor:
-        """[b, t1..td] on `device`, for the drafter's own use (no staging round trip); [b] alone for an AR round."""
-        if self.tokens is None:
-            return self.bonus[:, None].to(device)
-        return torch.cat([self.bonus[:, None].to(device), self.tokens], dim=1)
-
-    def spine_ids(self) -> list[list[int]]:
-        """spine() as token lists, what a message to a drafter worker carries (without a tensor built on the way)."""
-        if self.tokens is None:
-            return [[b] for b in self.bonus.tolist()]
-        return [[b, *t] for b, t in zip(self.bonus.tolist(), self.tokens.tolist())]
-
-
-@dataclass(frozen=True)
-class Verified:
-    """The target's forward over a block: greedy rounds carry its argmax (the round state accepts); sampled
-    rounds and AR carry (r, bonus) as lossless verification drew them."""
-    block: Tensor                # [B, 1+d] long, host
-    features: Tensor             # [B, 1+d, F], staged for the drafter (the target's own tensor without one)
-    argmax: Tensor | None = None
-    r: Tensor | None = None
-    bonus: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A committed round (round 0 is the prefill), on its way back to the drafter lane."""
-    round: int
-    r: Tensor                 # [B] long: accepted draft tokens (0 for finished requests)
-    bonus: Tensor             # [B] long: the next s_0 (finished requests keep their last one)
-    tokens: list[list[int]]   # what this round committed per request
-    features: Tensor          # [B, T, F] target features of the verified block (of the prompt at round 0)
-    keep: Tensor              # [B] long: rows of `features` the drafter absorbs (r+1 for running requests)
-    running: Tensor           # [B] bool, after this round
-    ready: _core.Event        # target lane, after features and (r, bonus) were staged
-    pause: bool = False       # continuous batching: the chain stops here so that waiting requests join
-    any_running: bool | None = None  # running.any(), where the caller knows it (None: computed when asked)
-
-    @property
-    def phase(self) -> int:
-        return self.round % 2
-
-    @property  # asked by several links of a round, right after a verify: a field, not a numpy reduction
-    def finished(self) -> bool:
-        """Whether the method's chain ends at this round (every request finished, or a pause to admit)."""
-        live = self.running.numpy().any() if self.any_running is None else self.any_running
-        return self.pause or not live
 
 
 def _warn_non_finite_draft(dec: "Decoder") -> None:
