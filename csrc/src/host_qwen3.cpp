@@ -271,6 +271,10 @@ void host_qwen3_tokens(const HostQwen3Dims& dm, const HostQwen3Weights* weights,
   if (ends.vocab < 1 || ends.table_len < 1 || ends.head_vocab < 1 || !(ends.final_eps > 0))
     detail::value_error(kWhat, ": vocab ", ends.vocab, ", table_len ", ends.table_len, ", head_vocab ",
                         ends.head_vocab, ", final_eps ", ends.final_eps, "; expected each >= 1 and eps > 0");
+  if (ends.head.format != PackedFormat::float32 && ends.head.format != PackedFormat::bfloat16 &&
+      ends.head.format != PackedFormat::bf16_dot)
+    detail::value_error(kWhat, ": output head format ", int(ends.head.format), ", expected float32, bfloat16 or "
+                        "bf16_dot (host_linear_pack's)");
   if (batch < 0 || t < 1) detail::value_error(kWhat, ": batch ", batch, ", t ", t, "; expected batch >= 0, t >= 1");
   const std::int64_t rows = batch * t, hd = dm.head_dim, hidden = dm.hidden;
   if (rows && (!tokens || !positions || !logits))

@@ -174,7 +174,7 @@ def draw(weights: Tensor, u: Tensor) -> Tensor:
     """inverse_cdf(weights [B, V], u [B]): in the native core for host float32 rows (the same bits; torch's
     float64 cumsum and the reductions around it took about 85 us a row at V = 8192, AR's every sampled token)."""
     if weights.is_cpu and weights.dtype == torch.float32 and weights.dim() == 2 and weights.is_contiguous() \
-            and u.is_cpu and u.dtype == torch.float32:
+            and u.is_cpu and u.dtype == torch.float32 and u.dim() == 1 and u.is_contiguous():
         return inverse_cdf_native(weights, u)
     return inverse_cdf(weights, u)
 
