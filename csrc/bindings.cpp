@@ -596,7 +596,8 @@ PYBIND11_MODULE(_core, m) {
                        const std::vector<std::string>& packed_formats, std::uintptr_t input_norm,
                        std::uintptr_t post_norm, std::uintptr_t q_norm, std::uintptr_t k_norm) {
              if (packed_formats.size() != 4)
-               throw std::invalid_argument("HostQwen3Layer: packed_formats has " + std::to_string(packed_formats.size()) +
+               throw std::invalid_argument("HostQwen3Layer: packed_formats has " +
+                                           std::to_string(packed_formats.size()) +
                                            " names; expected 4 (qkv, o, gate_up, down)");
              HostQwen3Weights w;
              const std::uintptr_t ptrs[4] = {qkv, o, gate_up, down};

@@ -253,9 +253,10 @@ void test_the_context_update_stores_what_the_layer_stores() {
   for (std::int64_t i = 0; i < hd; ++i) eye[i * hd + i] = 1.0f;
   std::vector<float> fc(host_linear_packed_elems(hd, hd, PackedFormat::float32));
   host_linear_pack(eye.data(), hd, hd, fc.data(), PackedFormat::float32);
+  const HostPackedLinear fc_packed{fc.data(), PackedFormat::float32};
   F k_ctx(batch * row_stride, -7.0f), v_ctx(batch * row_stride, -7.0f);
   const HostKVLayer ctx{k_ctx.data(), v_ctx.data(), row_stride, head_stride, max_len};
-  host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), PackedFormat::float32}, hd, l.w.input_norm, x.data(), batch, t, lengths,
+  host_context_kv(dm, &l.w, &ctx, 1, fc_packed, hd, l.w.input_norm, x.data(), batch, t, lengths,
                   counts, cos.data(), sin.data());
   std::int64_t written = 0, untouched = 0;
   for (std::int64_t b = 0; b < batch; ++b)
@@ -275,10 +276,10 @@ void test_the_context_update_stores_what_the_layer_stores() {
 
   const F before = k_ctx;
   const std::int64_t too_many[2] = {3, 4}, too_long[2] = {6, 0};
-  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), PackedFormat::float32}, hd, l.w.input_norm, x.data(), batch, t,
+  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, fc_packed, hd, l.w.input_norm, x.data(), batch, t,
                                lengths, too_many, cos.data(), sin.data()),
                std::invalid_argument, "counts[1] = 4");
-  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, {fc.data(), PackedFormat::float32}, hd, l.w.input_norm, x.data(), batch, t,
+  CHECK_THROWS(host_context_kv(dm, &l.w, &ctx, 1, fc_packed, hd, l.w.input_norm, x.data(), batch, t,
                                too_long, counts, cos.data(), sin.data()),
                std::invalid_argument, "lengths[0] = 6 + counts[0] = 3");
   CHECK(max_abs_diff(before.data(), k_ctx.data(), batch * row_stride) == 0.0f);

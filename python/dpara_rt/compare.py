@@ -186,4 +186,5 @@ def load_pair(root=None, host_math: str | None = None):
     return tokenizer, target, drafter
 
 
-__all__ = ["load_pair", "host_drafter_dtype", "host_pair_math", "DEMO_METHODS", "MethodResult", "run_method", "run_methods", "record", "table", "anatomy_png", "Stats"]
+__all__ = ["load_pair", "host_drafter_dtype", "host_pair_math", "DEMO_METHODS", "MethodResult", "run_method",
+           "run_methods", "record", "table", "anatomy_png", "Stats"]

@@ -6,8 +6,8 @@ worker process gives the drafter its own interpreter; what remains is the hardwa
 and memory bandwidth).
 
 ``LocalContext`` runs the drafter in the calling thread (every method, any device). ``WorkerContext`` sends
-the same calls to a ``DrafterWorker`` (``dpara_rt.drafter_worker``): a spawned process holding the drafter (its weights, and the target's
-embedding and output head, shared with this process, not copied) and the context cache. The boundary ring and
+the same calls to a ``DrafterWorker`` (``dpara_rt.drafter_worker``): a spawned process holding the drafter (its
+weights, and the target's embedding and output head, shared with this process, not copied) and the context cache. The boundary ring and
 the features staging are the core's shared memory (memfds), mapped by both processes, so boundary logits and
 features never cross the pipe; a call carries only token ids and row counts. A round's absorb and backbone go
 out as one message (``absorb_and_fill``) that the caller does not wait for; the next Markov head ``settle``s it.
