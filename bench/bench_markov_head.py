@@ -1,4 +1,4 @@
-"""Host Markov head: native (C++ core, dpara_rt.native) against the torch reference on one CPU thread.
+"""Host Markov head: native (C++ core, dpara_rt.host.native) against the torch reference on one CPU thread.
 
     python bench/bench_markov_head.py
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 from dpara_rt.kernels.markov_head import markov_head_reference
-from dpara_rt.native import markov_head_native
+from dpara_rt.host.native import markov_head_native
 
 D, VOCAB, RANK, N_ROWS = 7, 8192, 128, 8
 CALLS, WARMUP = 50, 3

@@ -122,8 +122,8 @@ def run_method(method: str, pair, prompts, args) -> dict:
 
     from dpara_rt.engine import Engine
     from dpara_rt.methods import needs_drafter, variant
-    from dpara_rt.scheduler import Scheduler
-    from dpara_rt.serve import ServerThread, create_app
+    from dpara_rt.serving.scheduler import Scheduler
+    from dpara_rt.serving.server import ServerThread, create_app
 
     tok, target, drafter = pair
     kw = variant(method)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     for name in ("rate", "requests", "max_inflight", "max_tokens", "max_batch", "d", "prompts"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    from dpara_rt.compare import humaneval_prompts, load_pair
+    from dpara_rt.tools.compare import humaneval_prompts, load_pair
     from dpara_rt.methods import variant
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:

@@ -1,5 +1,5 @@
 """CPU timings of the target: one decode step, a verify over 8 tokens, and prefill, at several batch sizes,
-on the native host path (models/host_qwen3.py, host_linear.py) in float32 math (`native`) and in bf16 math
+on the native host path (host/qwen3.py, host/linear.py) in float32 math (`native`) and in bf16 math
 (`bf16`: set_host_math's bfloat16 dot products), and on the torch path, side by side.
 
 t_verify8 / t_step bounds what speculation can gain: a round that commits tau tokens costs about
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dpara_rt.models.host_linear import native_target, set_host_math
+from dpara_rt.host.linear import native_target, set_host_math
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from dpara_rt.models.target import Target
 

@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from dpara_rt.compare import record, run_methods, table
+from dpara_rt.tools.compare import record, run_methods, table
 from dpara_rt.engine import Engine
 from dpara_rt.methods import needs_drafter, variant
 from dpara_rt.models.drafter import Drafter, DrafterConfig
@@ -50,7 +50,7 @@ def run_embedded(args) -> list[dict]:
     """The trained pair on HumanEval: each method beside an AR run, interleaved per batch as the demo runs
     them. One method per comparison, so a method that fails still leaves the others' rows."""
     from dpara_rt.assets import load_tiny
-    from dpara_rt.compare import humaneval_prompts
+    from dpara_rt.tools.compare import humaneval_prompts
 
     tokenizer, target, drafter = load_tiny(device=args.device, dtype="float32")
     prompts = humaneval_prompts(tokenizer, args.prompts)

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from dpara_rt.compare import humaneval_prompts, load_pair
+from dpara_rt.tools.compare import humaneval_prompts, load_pair
 from dpara_rt.engine import Engine
 from dpara_rt.methods import needs_drafter, variant
 

@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from dpara_rt.batching import Slots
+from dpara_rt.serving.batching import Slots
 from dpara_rt.engine import Engine
-from dpara_rt.scheduler import Request, RequestHandle, Scheduler
+from dpara_rt.serving.scheduler import Request, RequestHandle, Scheduler
 from engine_pairs import predictable_pair
 
 VARIANTS = ["ar", "dspark", "dflash", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-logits", "auto"]

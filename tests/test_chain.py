@@ -1,4 +1,4 @@
-"""Chains of lane links (dpara_rt.chain): a link queued on the running link's own lane runs next on that thread,
+"""Chains of lane links (dpara_rt.round.chain): a link queued on the running link's own lane runs next on that thread,
 ahead of jobs other threads queued meanwhile, each link keeping its own span; links on another lane go through
 that lane's queue; an error in a link ends the chain and reaches the consumer."""
 import threading
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dpara_rt import _core
-from dpara_rt.chain import Chain
-from dpara_rt.lanes import Lane
+from dpara_rt.round.chain import Chain
+from dpara_rt.round.lanes import Lane
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from dpara_rt import cli as cli_module
+from dpara_rt.tools import cli as cli_module
 from dpara_rt.assets import TINY_DIR
 
 
 def cli(*args, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "dpara_rt.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dpara_rt.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -161,7 +161,7 @@ def run_main(capsys, *args):
 
 
 def test_generate_chat_with_target_and_drafter_streams_the_generators_text(text_pair, capsys):
-    from dpara_rt.text import TextGenerator
+    from dpara_rt.serving.text import TextGenerator
 
     target, drafter = text_pair
     want = TextGenerator.load(target, drafter, d=4).generate_text("日本語?", 24, chat=True, enable_thinking=False)
@@ -200,7 +200,7 @@ def test_generate_stop_string_and_stop_id(text_pair, capsys):
     assert rc == 0, err
     assert out == "def f(x):" + completion[:completion.index(stop)]
     assert "stop string" in err
-    from dpara_rt.text import TextTokenizer
+    from dpara_rt.serving.text import TextTokenizer
     tok = TextTokenizer.from_dir(target)
     first = tok.encode(completion)[0]
     rc, out, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", drafter,

@@ -156,7 +156,7 @@ def test_the_cores_context_update_equals_the_torch_path(drafter, monkeypatch):
     """On the host extend_context's K/V are one core call (Drafter._host_context): from ragged counts (one row
     keeping nothing, one keeping all) onto ragged lengths (one empty), twice over, the cache equals the torch
     path's within float32 rounding, the slots past each row's length stay untouched, and the lengths agree."""
-    from dpara_rt.models import host_linear
+    from dpara_rt.host import linear as host_linear
     g = torch.Generator().manual_seed(4)
     feats = [torch.randn(3, 6, drafter.config.feature_size, generator=g) for _ in range(2)]
     counts = [torch.tensor([6, 2, 0]), torch.tensor([1, 6, 3])]

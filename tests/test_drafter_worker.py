@@ -1,4 +1,4 @@
-"""The drafter lane as a worker process (dpara_rt.drafter_context): the same numbers as in this process, the
+"""The drafter lane as a worker process (dpara_rt.host.context): the same numbers as in this process, the
 same outputs from the engine, errors raised to the caller, and an engine that outlives its worker."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.core import slot_tensor, staging_tensor
-from dpara_rt.drafter_context import BranchSplit, LocalContext, WorkerContext
-from dpara_rt.drafter_worker import DrafterWorker
+from dpara_rt.host.context import BranchSplit, LocalContext, WorkerContext
+from dpara_rt.host.worker import DrafterWorker
 from dpara_rt.engine import WORKER_SPIN_S, Engine
-from dpara_rt.methods.rounds import Draft
+from dpara_rt.round.decoder import Draft
 from engine_pairs import predictable_pair
 
 D = 4
@@ -357,7 +357,7 @@ def test_a_sampled_drafts_q_computed_by_the_worker_changes_nothing(pair, ring, m
     """With a drafter worker, a sampled head whose noise was drawn ahead drafts alone and the worker computes the
     draft's q beside verification (noise_ahead.WorkerQ), from the ring slot or, with the hidden ring, from branch
     r as the head projected it: the outputs equal a thread decode's, whose head computes q itself."""
-    from dpara_rt import noise_ahead
+    from dpara_rt.host import noise_ahead
     target, drafter = pair
     prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
     halves = []
@@ -384,9 +384,9 @@ def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monk
     with the worker's branch buffer when it computes q): the outputs equal those of the projection and the head
     called from Python, greedy and sampled. (With a worker the projection is shared with it, tested below; here
     the head projects alone.)"""
-    from dpara_rt.methods.rounds import Decoder
+    from dpara_rt.round.decoder import Decoder
     from dpara_rt.models.drafter import Drafter
-    from dpara_rt.native import HostMarkovHead
+    from dpara_rt.host.native import HostMarkovHead
     target, drafter = pair
     prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
     calls = []
@@ -415,7 +415,7 @@ def test_the_worker_projects_a_share_of_branch_r_and_the_drafts_are_the_same(pai
     (project_branch) while the head projects the first ones. The drafts are those of the head projecting alone
     (the same tokens and tau, so the same acceptances), for a batch of two, greedy and sampled, and every round
     after each decode's serial first draft shared its projection."""
-    from dpara_rt.methods.rounds import Decoder
+    from dpara_rt.round.decoder import Decoder
     target, drafter = pair
     prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
     sent = []
@@ -459,8 +459,8 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
     after each backbone (BranchGuess); where verification accepts that r the head projects nothing (no share goes
     to the worker either) and drafts from the guess. The tokens, tau and acceptance histogram are those of
     decoding without guesses; sampled and batched decodes make none."""
-    from dpara_rt.branch_guess import BranchGuess
-    from dpara_rt.methods.rounds import Decoder
+    from dpara_rt.host.branch_guess import BranchGuess
+    from dpara_rt.round.decoder import Decoder
     target, drafter = pair
     decoders, sent, judged = [], [], []
     init, post, accepted = Decoder.__init__, DrafterWorker.post, BranchGuess.accepted
@@ -498,7 +498,7 @@ def test_a_guess_is_taken_only_by_the_head_of_the_round_that_found_it_right():
     alone; before a drafted round has accepted, full acceptance is guessed, then the last r; a guess posted for a
     slot hits only that slot's round with the same r; a hit is taken once, by that round's head, and a hit whose
     head never ran (a decode paused there) is not taken by a later round on the same slot."""
-    from dpara_rt.branch_guess import BranchGuess
+    from dpara_rt.host.branch_guess import BranchGuess
 
     class Context:
         def __init__(self):
@@ -566,7 +566,7 @@ def test_the_branch_split_moves_to_where_the_head_and_the_workers_reply_finish_t
 def test_the_next_heads_noise_drawn_beside_verification_changes_nothing(pair, mode, monkeypatch):
     """A sampled DPara decode's drafter draws the next Markov head's Gumbel noise after its backbone; the head
     reads it (every round after the first) and the outputs equal those of heads that draw their own."""
-    from dpara_rt import noise_ahead
+    from dpara_rt.host import noise_ahead
     target, drafter = pair
     prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
     taken = []

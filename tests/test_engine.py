@@ -8,10 +8,10 @@ import torch
 
 from dpara_rt.engine import AUTO_TURNS, Engine
 from dpara_rt.methods import AUTO_CANDIDATES, VARIANTS, variant, variant_name
-from dpara_rt.methods.options import ring_for
+from dpara_rt.round.options import ring_for
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.target import Target
-from dpara_rt.stats import Stats
+from dpara_rt.round.stats import Stats
 from engine_pairs import flaky, predictable_pair
 
 SPEC = ["dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-logits", "dpara-hidden"]
@@ -73,7 +73,7 @@ def test_a_round_verifies_in_one_core_call_straight_into_the_staging(pair, name,
 def test_generate_takes_the_rounds_at_the_end_and_a_stream_each_round(pair, monkeypatch):
     """generate() wants the tokens only at the end: the lanes hand them over once, never waking the caller's
     thread mid-decode; stream() gets them round by round. The tokens are the same."""
-    from dpara_rt.chain import Chain
+    from dpara_rt.round.chain import Chain
     handed = []
     flush = Chain.flush
     monkeypatch.setattr(Chain, "flush", lambda self: handed.append(len(self._held)) or flush(self))
@@ -179,7 +179,7 @@ def test_greedy_dpara_verifies_s0_alone_beside_branch_0_and_drafts_nothing_seria
     """Greedy, DPara's round 1 verifies s_0 alone (one token a row) while the drafter absorbs the prompt and fills
     branch 0 of a slot (a spine of one token); every later round verifies a draft of the ring and no round is drafted
     serially. Sampled, round 1 is a serial draft (a seeded request's draws must not depend on when it starts)."""
-    from dpara_rt.methods.rounds import Decoder
+    from dpara_rt.round.decoder import Decoder
     from dpara_rt.models.drafter import Drafter
     target, drafter = pair
     blocks, spines = [], []

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dpara_rt import _core
-from dpara_rt.models.host_linear import HostLinear, pack_weight
+from dpara_rt.host.linear import HostLinear, pack_weight
 
 
 def _layer(n: int, k: int, bf16_exact: bool, seed: int = 0) -> HostLinear:
@@ -100,7 +100,7 @@ def test_the_helper_thread_takes_the_cores_its_first_caller_leaves():
     script = textwrap.dedent("""
         import os, threading, torch
         from dpara_rt import _core
-        from dpara_rt.models.host_linear import pack_weight
+        from dpara_rt.host.linear import pack_weight
         everything = os.sched_getaffinity(0)
         mine = {min(everything)}
         packed, dtype = pack_weight(torch.randn(1536, 256).bfloat16().float())

@@ -9,7 +9,7 @@ from dpara_rt import _core
 from dpara_rt.engine import Engine
 from dpara_rt.methods import variant
 from dpara_rt.models.autoregressive import generate_ar
-from dpara_rt.models.host_linear import HOST_MATHS, HostLinear, pack_weight, set_host_math
+from dpara_rt.host.linear import HOST_MATHS, HostLinear, pack_weight, set_host_math
 from dpara_rt.models.target import Target
 from engine_pairs import math_checked, predictable_pair
 
@@ -54,7 +54,7 @@ def test_the_emulation_has_the_instructions_bits():
     computes the same bits; where it has not, both are the emulation."""
     import subprocess
     import sys
-    code = ("import torch; from dpara_rt import _core; from dpara_rt.models.host_linear import pack_weight\n"
+    code = ("import torch; from dpara_rt import _core; from dpara_rt.host.linear import pack_weight\n"
             "g = torch.Generator().manual_seed(4); w = torch.randn(300, 77, generator=g); x = torch.randn(9, 77, "
             "generator=g)\np, f = pack_weight(w, 'bf16'); y = torch.empty(9, 300)\n"
             "_core.host_linear(x.data_ptr(), 9, 77, p.data_ptr(), f, 300, y.data_ptr())\n"

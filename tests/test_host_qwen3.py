@@ -1,9 +1,9 @@
-"""The native host layers of a float32 Qwen3 target (models/host_qwen3.py) against the torch path."""
+"""The native host layers of a float32 Qwen3 target (host/qwen3.py) against the torch path."""
 import pytest
 import torch
 
 from dpara_rt import _core
-from dpara_rt.models import host_qwen3
+from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from dpara_rt.models.target import Target
 
@@ -209,7 +209,7 @@ def test_a_replaced_parameter_is_repacked_and_copies_pack_their_own(monkeypatch)
 
 
 def test_the_native_target_can_be_turned_off(monkeypatch):
-    from dpara_rt.models.host_linear import native_target
+    from dpara_rt.host.linear import native_target
     model = _model(bf16_weights=True)
     before = native_target(False)
     try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dpara_rt import _core
-from dpara_rt.native import HostMarkovHead
+from dpara_rt.host.native import HostMarkovHead
 
 SEED = 5
 

@@ -1,4 +1,4 @@
-"""Native host Markov head (dpara_rt.native over _core.markov_head_host) == the torch reference (drafts exactly,
+"""Native host Markov head (dpara_rt.host.native over _core.markov_head_host) == the torch reference (drafts exactly,
 q to float rounding) == the Triton kernel's sampled drafts (interpreted on the CPU); its Philox == kernels/_rng's
 bit for bit; bad arguments raise ValueError naming the value."""
 from __future__ import annotations  # `tl.constexpr` annotations stay strings until triton is loaded
@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from dpara_rt import _core  # noqa: E402
 from dpara_rt.kernels import _rng  # noqa: E402
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton  # noqa: E402
-from dpara_rt.native import HostMarkovHead, MarkovBound, gumbel_noise, markov_bound, markov_head_native  # noqa: E402
+from dpara_rt.host.native import HostMarkovHead, MarkovBound, gumbel_noise, markov_bound, markov_head_native  # noqa: E402
 
 SEED, OFFSET = 11, (1 << 32) + 5  # an offset with both 32-bit words set
 
@@ -223,7 +223,7 @@ def test_core_binding_checks_its_arrays():
     _core.markov_head_host(**call)  # the unchanged call is valid
 
 
-# ------------------------------------------------------------------ noise drawn ahead (dpara_rt.noise_ahead)
+# ------------------------------------------------------------------ noise drawn ahead (dpara_rt.host.noise_ahead)
 @pytest.mark.parametrize("batch,d,vocab,dtype", [(1, 7, 300, torch.bfloat16), (3, 4, 64, torch.float32),
                                                  (5, 1, 1000, torch.float16)])
 def test_noise_drawn_ahead_gives_the_same_draft_and_q(batch, d, vocab, dtype):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dpara_rt import _core
-from dpara_rt.models.host_linear import HostLinear
-from dpara_rt.native import HostMarkovHead, gumbel_noise
+from dpara_rt.host.linear import HostLinear
+from dpara_rt.host.native import HostMarkovHead, gumbel_noise
 
 V, H, R, D = 600, 48, 8, 5
 

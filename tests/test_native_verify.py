@@ -1,4 +1,4 @@
-"""Native host verification (dpara_rt.native.verify_sample_native over _core.verify_sample_host) makes the torch
+"""Native host verification (dpara_rt.host.native.verify_sample_native over _core.verify_sample_host) makes the torch
 reference's decisions exactly: acceptances, degenerate residuals, zero weights, uniforms at the edges, one-hot
 (greedy) rows and non-finite weights; ops.verify_sample takes it on the CPU; bad arguments raise ValueError
 naming the value. AR's draw (native.inverse_cdf_native over _core.inverse_cdf_host) is inverse_cdf's, bit for
@@ -14,7 +14,7 @@ import torch
 from dpara_rt import _core, ops
 from dpara_rt import sampling
 from dpara_rt.kernels.verify import inverse_cdf, verify_sample_reference
-from dpara_rt.native import argmax_finite, inverse_cdf_native, verify_sample_native
+from dpara_rt.host.native import argmax_finite, inverse_cdf_native, verify_sample_native
 
 BELOW_ONE = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()  # the largest float32 < 1
 

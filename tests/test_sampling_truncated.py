@@ -21,7 +21,7 @@ from dpara_rt.engine import Engine  # noqa: E402
 from dpara_rt.kernels._triton import interpreting  # noqa: E402
 from dpara_rt.kernels.verify import verify_sample_reference, verify_sample_triton  # noqa: E402
 from dpara_rt.methods import variant  # noqa: E402
-from dpara_rt.methods.rounds import DecodeOptions  # noqa: E402
+from dpara_rt.round.decoder import DecodeOptions  # noqa: E402
 from dpara_rt.sampling import (check_sampling, make_generator, probs, sample, top_k_filter,  # noqa: E402
                                top_p_filter)
 from engine_pairs import predictable_pair  # noqa: E402

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from dpara_rt.engine import Engine
-from dpara_rt.scheduler import Scheduler
-from dpara_rt.serve import ServerThread, create_app
+from dpara_rt.serving.scheduler import Scheduler
+from dpara_rt.serving.server import ServerThread, create_app
 
 MODEL = "tiny"
 TEXT = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"
@@ -32,7 +32,7 @@ D = 7
 
 @pytest.fixture(scope="module")
 def pair():
-    from dpara_rt.compare import load_pair
+    from dpara_rt.tools.compare import load_pair
     return load_pair()
 
 
@@ -164,7 +164,7 @@ def chat_server(tmp_path_factory):
     from engine_pairs import predictable_pair
     from test_text import EOS, IM_END, VOCAB, write_tokenizer
 
-    from dpara_rt.text import TextTokenizer
+    from dpara_rt.serving.text import TextTokenizer
     tok = TextTokenizer.from_dir(write_tokenizer(tmp_path_factory.mktemp("chat-tok")))
     target, drafter = predictable_pair(vocab=VOCAB, eos=EOS)
     eng = Engine(target, drafter, method="dpara", d=4, max_batch=4, eos_ids=[EOS, IM_END])
@@ -205,7 +205,7 @@ def test_chat_completion_streaming_and_not(chat_server):
 
 # ------------------------------------------------------------------------------------------ concurrency
 def test_32_concurrent_clients_each_get_their_own_greedy_answer(pair, ref, server):
-    from dpara_rt.compare import humaneval_prompts
+    from dpara_rt.tools.compare import humaneval_prompts
     tok = pair[0]
     base = humaneval_prompts(tok, 8)
     cases = []
@@ -396,7 +396,7 @@ def _free_port() -> int:
 def test_sigterm_drains_then_cancels_and_exits_0(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dpara_rt.cli", "serve", "--port", str(port), "--grace", "1.5",
+    proc = subprocess.Popen([sys.executable, "-m", "dpara_rt.tools.cli", "serve", "--port", str(port), "--grace", "1.5",
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert _wait(lambda: _ok(url + "/health"), timeout=120), "server did not come up"

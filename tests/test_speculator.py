@@ -14,7 +14,7 @@ import torch
 from dpara_rt import ops
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.sampling import make_generator, probs, uniforms
-from dpara_rt.speculator import Proposal, Speculator
+from dpara_rt.serving.speculator import Proposal, Speculator
 
 LAYER_IDS = [1, 2]
 EOS = 2

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dpara_rt.text import StopStrings, TextError, TextGenerator, TextTokenizer, model_eos_ids
+from dpara_rt.serving.text import StopStrings, TextError, TextGenerator, TextTokenizer, model_eos_ids
 
 from engine_pairs import predictable_pair
 
@@ -262,7 +262,7 @@ def test_stop_string_split_across_rounds(generator):
 
 
 def test_embedded_pair_text_equals_its_engine_tokens():
-    from dpara_rt.compare import load_pair
+    from dpara_rt.tools.compare import load_pair
     from dpara_rt.engine import Engine
 
     code_tokenizer, target, drafter = load_pair()

@@ -7,7 +7,7 @@
 Placement: ``split`` gives the target and the drafter a device each (two CUDA devices, or on the CPU two
 host lanes pinned to a core each); ``colocated`` (DPara-single) puts both lanes on one device (two streams
 of one GPU, or two host lanes sharing one core). With ``split`` on the host, DPara's drafter forwards run in a
-worker process (``drafter_worker``: "auto", "process" or "thread"; see dpara_rt.drafter_context) that the engine
+worker process (``drafter_worker``: "auto", "process" or "thread"; see dpara_rt.host.context) that the engine
 starts at its first DPara decode and ``close()`` stops. The constructor's sampling arguments are defaults; each
 call may override them. Sampling draws from temperature, then top-k (0 = off), then top-p (1 = off) with every
 method: speculative verification uses the same truncated target distribution as AR, so it stays lossless.
@@ -29,15 +29,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dpara_rt.drafter_context import WORKER_MODES
-from dpara_rt.drafter_worker import DrafterWorker
-from dpara_rt.lanes import make_lanes
+from dpara_rt.host.context import WORKER_MODES
+from dpara_rt.host.worker import DrafterWorker
+from dpara_rt.round.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
-from dpara_rt.methods.options import ring_for
-from dpara_rt.methods.rounds import DecodeOptions, Decoder, is_int
+from dpara_rt.round.options import ring_for
+from dpara_rt.round.decoder import DecodeOptions, Decoder, is_int
 from dpara_rt.models.drafter_io import check_target_compatible
 from dpara_rt.models.hf_target import make_target
-from dpara_rt.stats import Stats, summarize
+from dpara_rt.round.stats import Stats, summarize
 
 MAX_BATCH = 16  # the default batch limit; serving derives one from memory (batch_for_memory)
 GIL_SWITCH_S = 2e-4
@@ -283,9 +283,9 @@ class Engine:
             self._worker.close()
 
     def serve(self, slots, max_len: int) -> Iterator[list[list[int]]]:
-        """Continuous batching (dpara_rt.batching.Slots): one decode over ``slots.batch`` rows that requests
+        """Continuous batching (dpara_rt.serving.batching.Slots): one decode over ``slots.batch`` rows that requests
         join and leave between rounds, with a KV cache of at least ``max_len`` tokens a row; yields each
-        round's commits per row. dpara_rt.scheduler.Scheduler drives it."""
+        round's commits per row. dpara_rt.serving.scheduler.Scheduler drives it."""
         B = slots.batch
         if not is_int(B) or not 1 <= B <= self.target.max_batch:
             raise ValueError(f"slots.batch = {B!r}; expected an int in 1..{self.target.max_batch} (max_batch)")

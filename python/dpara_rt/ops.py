@@ -16,7 +16,7 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.kernels import _triton
-from dpara_rt.native import HostMarkovHead, markov_head_native, verify_sample_native
+from dpara_rt.host.native import HostMarkovHead, markov_head_native, verify_sample_native
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton
 from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_size
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dpara_rt.kernels.verify import inverse_cdf
-from dpara_rt.native import inverse_cdf_native
+from dpara_rt.host.native import inverse_cdf_native
 
 Param = Union[float, int, Sequence, Tensor]
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]

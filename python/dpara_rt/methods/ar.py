@@ -2,7 +2,7 @@
 speculative methods (so EOS / max_new_tokens, streaming and the timeline work exactly as for them)."""
 from __future__ import annotations
 
-from dpara_rt.methods.rounds import Decoder, Outcome
+from dpara_rt.round.decoder import Decoder, Outcome
 
 
 def run(dec: Decoder, first: Outcome):

@@ -13,7 +13,7 @@ a running one, where its first round is the batch's next draft round. Neither is
 """
 from __future__ import annotations
 
-from dpara_rt.methods.rounds import Decoder, Draft, Outcome
+from dpara_rt.round.decoder import Decoder, Draft, Outcome
 
 
 def run(dec: Decoder, first: Outcome):

@@ -2,7 +2,7 @@
 verify_k -> context update -> backbone(anchor = bonus_k) -> Markov head -> verify_{k+1}."""
 from __future__ import annotations
 
-from dpara_rt.methods.rounds import Decoder, Draft, Outcome
+from dpara_rt.round.decoder import Decoder, Draft, Outcome
 
 
 def run(dec: Decoder, first: Outcome):

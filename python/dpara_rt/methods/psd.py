@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpara_rt.methods.rounds import Decoder, Draft, Outcome
+from dpara_rt.round.decoder import Decoder, Draft, Outcome
 
 
 def draft_probs(dec: Decoder, logits: Tensor, anchor: Tensor, draft: Tensor) -> Tensor:

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
-from dpara_rt.models import host_qwen3
-from dpara_rt.models.host_linear import HostLinear, native_target
-from dpara_rt.models.host_qwen3 import HostQwen3
+from dpara_rt.host import qwen3 as host_qwen3
+from dpara_rt.host.linear import HostLinear, native_target
+from dpara_rt.host.qwen3 import HostQwen3
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import RMSNorm, RopeTable, apply_rope, rope_inv_freq
 from dpara_rt import ops

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
-from dpara_rt.models import host_qwen3
-from dpara_rt.models.host_linear import HostLinear
+from dpara_rt.host import qwen3 as host_qwen3
+from dpara_rt.host.linear import HostLinear
 from dpara_rt.models.kv_cache import KVCache
 
 MODEL_TYPE = "qwen3"
@@ -407,7 +407,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def _host_layers(self, h: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, cache: KVCache,
                      layer_ids: Sequence[int], recheck: bool = True) -> tuple[Tensor, Tensor | None]:
-        """The decoder layers in one native call (models/host_qwen3.py) and the final norm: (h, features), the
+        """The decoder layers in one native call (host/qwen3.py) and the final norm: (h, features), the
         captured layers written into the features by the core (the last one after the norm, as forward's)."""
         if self._host is None:
             self._host = host_qwen3.HostQwen3()

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
-from dpara_rt.native import argmax_if_finite
+from dpara_rt.host.native import argmax_if_finite
 
 
 class TargetBase:

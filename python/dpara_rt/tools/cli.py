@@ -10,7 +10,7 @@ import tempfile
 import warnings
 
 from dpara_rt.methods import VARIANTS, needs_drafter, variant
-from dpara_rt.models.host_linear import HOST_MATHS
+from dpara_rt.host.linear import HOST_MATHS
 
 
 class CliError(Exception):
@@ -108,24 +108,24 @@ def _load_pair(args):
         return _hf_tokenizer(args.target), target, drafter
     device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
     if device is None and dtype is None:
-        from dpara_rt.compare import load_pair
+        from dpara_rt.tools.compare import load_pair
         return load_pair(getattr(args, "models", None), getattr(args, "host_math", None))
     from dpara_rt.assets import load_tiny
-    from dpara_rt.compare import host_drafter_dtype
+    from dpara_rt.tools.compare import host_drafter_dtype
     return load_tiny(device=device or "cpu", dtype=dtype or "float32", root=getattr(args, "models", None),
                      drafter_dtype=host_drafter_dtype())
 
 
 def _hf_tokenizer(path):
     """The tokenizer of a model directory (tokenizer.json, tokenizer_config.json, chat template)."""
-    from dpara_rt.text import TextTokenizer
+    from dpara_rt.serving.text import TextTokenizer
     return TextTokenizer.from_dir(path)
 
 
 def cmd_demo(args):
     from tqdm import tqdm
 
-    from dpara_rt.compare import DEMO_METHODS, anatomy_png, humaneval_prompts, record, run_methods, table
+    from dpara_rt.tools.compare import DEMO_METHODS, anatomy_png, humaneval_prompts, record, run_methods, table
     out = _out_dir(args.out)
     tokenizer, target, drafter = _load_pair(args)
     prompts = humaneval_prompts(tokenizer, args.prompts)
@@ -170,7 +170,7 @@ def _method_and_pair(args) -> dict:
 
 
 def cmd_generate(args):
-    from dpara_rt.text import TextGenerator, TextTokenizer
+    from dpara_rt.serving.text import TextGenerator, TextTokenizer
     kw = _method_and_pair(args)
     if not args.chat and (args.enable_thinking is not None or args.system is not None):
         raise CliError("--enable-thinking / --no-enable-thinking / --system apply to chat prompts; add --chat")
@@ -360,10 +360,10 @@ def cmd_train(args):
 
 
 def cmd_serve(args):
-    """An OpenAI-compatible server over the scheduler (see dpara_rt.serve); SIGTERM / SIGINT drain it."""
+    """An OpenAI-compatible server over the scheduler (see dpara_rt.serving.server); SIGTERM / SIGINT drain it."""
     from dpara_rt.engine import Engine
-    from dpara_rt.scheduler import Scheduler
-    from dpara_rt.text import TextTokenizer
+    from dpara_rt.serving.scheduler import Scheduler
+    from dpara_rt.serving.text import TextTokenizer
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -393,7 +393,7 @@ def cmd_serve(args):
     engine = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, max_batch=max_batch,
                     eos_ids=eos, **kw)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "tiny")
-    from dpara_rt.serve import create_app, run
+    from dpara_rt.serving.server import create_app, run
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     app = create_app(scheduler, tokenizer, name, max_model_len=args.max_model_len, chat_template=template)
     print(f"dpara-rt serve: model {name!r} ({engine.name}, d = {args.d}, max batch {max_batch}) on "
@@ -510,7 +510,7 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark owns its options (see bench/bench_e2e.py --help)
-        from dpara_rt.bench_e2e import main as bench_main
+        from dpara_rt.tools.bench_e2e import main as bench_main
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:

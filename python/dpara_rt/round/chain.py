@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from dpara_rt import _core
-from dpara_rt.lanes import Lane
+from dpara_rt.round.lanes import Lane
 
 
 # Whether torch's profiler records this thread (it is enabled per thread: bench/profile_round.py enables it on a

@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-from dpara_rt.compare import anatomy_png, humaneval_prompts, load_pair, record, run_methods, table
-from dpara_rt.models.host_linear import HOST_MATHS
+from dpara_rt.tools.compare import anatomy_png, humaneval_prompts, load_pair, record, run_methods, table
+from dpara_rt.host.linear import HOST_MATHS
 from dpara_rt.methods import METHODS, VARIANTS
 
 GRID_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara-logits", "dpara-hidden", "dpara-single", "auto")

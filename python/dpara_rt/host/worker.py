@@ -1,6 +1,6 @@
 """The drafter worker process (``DrafterWorker``) and its side of the calls (``_Worker``, ``_serve``).
 
-``dpara_rt.drafter_context.WorkerContext`` makes a decode's drafter calls to it: the same calls as
+``dpara_rt.host.context.WorkerContext`` makes a decode's drafter calls to it: the same calls as
 ``LocalContext``, run in a spawned process with its own interpreter, pinned to the drafter lane's cores. Calls and
 replies cross through two mailboxes in the core's shared memory; the pipe carries file descriptors (buffers to
 map) and tells each side when the other is gone.
@@ -24,8 +24,8 @@ import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pic
 from dpara_rt import _core
 from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the same in every process
 from dpara_rt.core import branch_rows
-from dpara_rt.drafter_context import BranchSplit, _grown, _reset_row, _scratch_view
-from dpara_rt.native import gumbel_noise
+from dpara_rt.host.context import BranchSplit, _grown, _reset_row, _scratch_view
+from dpara_rt.host.native import gumbel_noise
 
 # Each direction's mailbox (dpara_rt._core.Mailbox): a call carries token lists, a reply a few numbers or an error.
 _MAILBOX_BYTES = 1 << 20

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dpara_rt import _core
-from dpara_rt.methods.rounds import Decoder, Outcome
+from dpara_rt.round.decoder import Decoder, Outcome
 
 # The round state's finish reasons as OpenAI's: a stop id or EOS is "stop"; a full cache counts as length.
 _REASONS = {"eos": "stop", "length": "length", "max_len": "length", "cancelled": "cancelled"}

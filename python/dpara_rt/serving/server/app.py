@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI's `/v1/completions` and `/v1/chat/completions` (SSE streaming), `/v1/models`,
-`/health` and `/metrics` over a :class:`~dpara_rt.scheduler.Scheduler`.
+`/health` and `/metrics` over a :class:`~dpara_rt.serving.scheduler.Scheduler`.
 
 Each request is submitted to the scheduler; a small reader thread per request moves the handle's token chunks
 (``RequestHandle.next`` blocks) into an asyncio queue, so the event loop never blocks. Token ids become text
-through :class:`~dpara_rt.text.StreamDecoder` (no broken UTF-8) and :class:`~dpara_rt.text.StopStrings` (stop
+through :class:`~dpara_rt.serving.text.StreamDecoder` (no broken UTF-8) and :class:`~dpara_rt.serving.text.StopStrings` (stop
 strings caught across chunks; a hit cancels the handle, freeing the slot). A client that disconnects, streaming
 or not, has its handle cancelled.
 
@@ -26,8 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dpara_rt.serve import metrics as prom
-from dpara_rt.serve.protocol import (APIError, Params, bad, check_model, messages_of, new_id, now, parse_params,
+from dpara_rt.serving.server import metrics as prom
+from dpara_rt.serving.server.protocol import (APIError, Params, bad, check_model, messages_of, new_id, now, parse_params,
                                      prompt_of, template_kwargs_of, usage)
 
 DEFAULT_MAX_TOKENS = 16          # /v1/completions' default, as OpenAI's
@@ -42,7 +42,7 @@ class ServerState:
 
     def __init__(self, scheduler, tokenizer, model_name: str, max_model_len: int | None,
                  default_max_tokens: int, max_body_bytes: int, aliases=()):
-        from dpara_rt.text import TextTokenizer
+        from dpara_rt.serving.text import TextTokenizer
         if not isinstance(tokenizer, TextTokenizer):
             tokenizer = TextTokenizer.wrap(tokenizer)
         self.scheduler, self.tokenizer = scheduler, tokenizer
@@ -94,8 +94,8 @@ class Generation:
     """One request's run: submit, bridge the handle's chunks to the event loop, turn them into text pieces."""
 
     def __init__(self, state: ServerState, prompt_ids: list[int], max_tokens: int, p: Params):
-        from dpara_rt.scheduler import QueueFull
-        from dpara_rt.text import StopStrings
+        from dpara_rt.serving.scheduler import QueueFull
+        from dpara_rt.serving.text import StopStrings
         self.state, self.prompt_ids, self.params = state, prompt_ids, p
         # no seed: greedy needs none, sampling gets a fresh one (as OpenAI's API samples anew each call)
         seed = p.seed if p.seed is not None else (0 if p.temperature == 0 else secrets.randbits(63))
@@ -326,7 +326,7 @@ def create_app(scheduler, tokenizer, model_name: str = "dpara-rt", *, max_model_
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        from dpara_rt.text import TextError
+        from dpara_rt.serving.text import TextError
         body = await read_json(request)
         model_name = check_model(body, state.names)
         p = parse_params(body, chat=True)

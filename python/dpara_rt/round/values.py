@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dpara_rt import _core
-from dpara_rt.noise_ahead import PendingQ
+from dpara_rt.host.noise_ahead import PendingQ
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ worker process gives the drafter its own interpreter; what remains is the hardwa
 and memory bandwidth).
 
 ``LocalContext`` runs the drafter in the calling thread (every method, any device). ``WorkerContext`` sends
-the same calls to a ``DrafterWorker`` (``dpara_rt.drafter_worker``): a spawned process holding the drafter (its
+the same calls to a ``DrafterWorker`` (``dpara_rt.host.worker``): a spawned process holding the drafter (its
 weights, and the target's embedding and output head, shared with this process, not copied) and the context cache. The boundary ring and
 the features staging are the core's shared memory (memfds), mapped by both processes, so boundary logits and
 features never cross the pipe; a call carries only token ids and row counts. A round's absorb and backbone go
@@ -26,7 +26,7 @@ import torch
 from dpara_rt import _core
 
 if TYPE_CHECKING:
-    from dpara_rt.drafter_worker import DrafterWorker
+    from dpara_rt.host.worker import DrafterWorker
 
 WORKER_MODES = ("auto", "thread", "process")
 # worker call -> timeline phase
@@ -70,7 +70,7 @@ class LocalContext:
 
     def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
         """A float32 buffer both sides of the context use: the Markov head's noise drawn ahead ("noise",
-        dpara_rt.noise_ahead). Here the drafter runs in this process: plain memory."""
+        dpara_rt.host.noise_ahead). Here the drafter runs in this process: plain memory."""
         return torch.empty(shape, dtype=torch.float32)
 
 
@@ -202,7 +202,7 @@ class WorkerContext:
         """absorb (unless keep is None) then boundary, as one message: a round's whole drafting beside its
         verification costs one send here and one reply to settle. `spine`: [B, k] token ids, or their lists
         (Draft.spine_ids: what the message carries). `noise`: (half, seed, offset) of the next head's noise, drawn
-        after the backbone (dpara_rt.noise_ahead)."""
+        after the backbone (dpara_rt.host.noise_ahead)."""
         spine = _token_lists(spine)
         if keep is None:
             return self.boundary(spine, slot, None, project, noise)
@@ -240,7 +240,7 @@ class WorkerContext:
 
     def guess_branch(self, slot: int, r: list[int]) -> None:
         """Have the worker project branch r[b]'s rows of ring slot `slot` (all columns) into the shared "guess"
-        buffer after what it has queued (dpara_rt.branch_guess); ``wait_guess`` waits for it."""
+        buffer after what it has queued (dpara_rt.host.branch_guess); ``wait_guess`` waits for it."""
         self.worker.post("guess_branch", slot, r)
 
     def wait_guess(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dpara_rt.native import HostMarkovHead, gumbel_noise
+from dpara_rt.host.native import HostMarkovHead, gumbel_noise
 
 
 class NoiseAhead:

@@ -21,11 +21,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from dpara_rt.batching import Slots
-from dpara_rt.methods.rounds import is_int
+from dpara_rt.serving.batching import Slots
+from dpara_rt.round.decoder import is_int
 
 _END = object()
-_log = logging.getLogger("dpara_rt.scheduler")
+_log = logging.getLogger("dpara_rt.serving.scheduler")
 
 
 class QueueFull(RuntimeError):

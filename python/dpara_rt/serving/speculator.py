@@ -38,8 +38,8 @@ from torch import Tensor
 
 from dpara_rt import _core, ops
 from dpara_rt.core import slot_tensor
-from dpara_rt.lanes import Lane
-from dpara_rt.methods.rounds import is_int
+from dpara_rt.round.lanes import Lane
+from dpara_rt.round.decoder import is_int
 from dpara_rt.models.drafter import ContextCache, Drafter
 
 MODES = ("dpara", "dspark")

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from dpara_rt import _core
-from dpara_rt.models import host_linear
-from dpara_rt.models.host_linear import pack_weight, registrations
+from dpara_rt.host import linear as host_linear
+from dpara_rt.host.linear import pack_weight, registrations
 
 __all__ = ["HostQwen3", "usable"]
 

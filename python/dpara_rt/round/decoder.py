@@ -12,16 +12,16 @@ import torch
 from torch import Tensor
 
 from dpara_rt import _core, ops
-from dpara_rt.chain import Chain
-from dpara_rt.branch_guess import BranchGuess
+from dpara_rt.round.chain import Chain
+from dpara_rt.host.branch_guess import BranchGuess
 from dpara_rt.core import branch_rows, slot_tensor, stage_in, staging_tensor
-from dpara_rt.drafter_context import LocalContext, WorkerContext
-from dpara_rt.lanes import Lane
-from dpara_rt.methods.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
-from dpara_rt.methods.round_values import Draft, Outcome, Verified
+from dpara_rt.host.context import LocalContext, WorkerContext
+from dpara_rt.round.lanes import Lane
+from dpara_rt.round.options import PSD_POLICIES, DecodeOptions, is_int  # noqa: F401 (re-exported)
+from dpara_rt.round.values import Draft, Outcome, Verified
 from dpara_rt.models.target import Target
-from dpara_rt.native import HostMarkovHead, all_finite
-from dpara_rt.noise_ahead import NoiseAhead, PendingQ, WorkerQ
+from dpara_rt.host.native import HostMarkovHead, all_finite
+from dpara_rt.host.noise_ahead import NoiseAhead, PendingQ, WorkerQ
 from dpara_rt.sampling import make_generator, probs, sample, stop_at_non_finite, uniforms
 
 _ROW_STREAM_SHIFT = 40  # per-row Markov head calls under one seed: row b's Philox offset is calls + (b << 40)
@@ -44,7 +44,7 @@ class Decoder:
                  markov: bool = True, admission=None, worker=None, kept: dict | None = None):
         self.target, self.opts, self.prompts = target, opts, prompts
         self._kept = kept  # the engine's: the last decode's staging and ring, reused when this one's are alike
-        # Continuous batching (dpara_rt.batching.Slots): rows are slots that requests take and leave between
+        # Continuous batching (dpara_rt.serving.batching.Slots): rows are slots that requests take and leave between
         # rounds; None for a fixed batch.
         self.admission, self.paused = admission, None
         self.drafter = drafter if needs_drafter else None
@@ -85,7 +85,7 @@ class Decoder:
         self._markov_head = None  # the drafter's head (Drafter.markov_head: built once, not per decode)
         self.worker_q = self.guess = None
         if needs_drafter:
-            # The drafter's context cache, here or in a drafter worker process (dpara_rt.drafter_context)
+            # The drafter's context cache, here or in a drafter worker process (dpara_rt.host.context)
             self.context = (WorkerContext(worker, B, target.max_len) if worker is not None
                             else LocalContext(drafter, B, target.max_len))
             # The head accumulates in fp32: its rank-R factors are converted (on the host its bound built) once.

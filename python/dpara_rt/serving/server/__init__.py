@@ -1,6 +1,6 @@
 """`dpara-rt serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the request scheduler.
 
-    from dpara_rt.serve import create_app, ServerThread
+    from dpara_rt.serving.server import create_app, ServerThread
     app = create_app(Scheduler(engine), tokenizer, "tiny")
     with ServerThread(app) as srv:          # uvicorn on 127.0.0.1, a free port, in a background thread
         openai.OpenAI(base_url=srv.url + "/v1", api_key="-").completions.create(model="tiny", prompt="def f(")
@@ -24,8 +24,8 @@ import signal
 import socket
 import threading
 
-from dpara_rt.serve.app import Generation, ServerState, create_app
-from dpara_rt.serve.protocol import APIError
+from dpara_rt.serving.server.app import Generation, ServerState, create_app
+from dpara_rt.serving.server.protocol import APIError
 
 
 def _server(app, sock: socket.socket, log_level: str, grace_s: float, cls=None):

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from dpara_rt.engine import Engine
 from dpara_rt.methods import needs_drafter, variant
-from dpara_rt.stats import Stats, fraction_of_ideal
+from dpara_rt.round.stats import Stats, fraction_of_ideal
 
 DEMO_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single")
 
@@ -179,7 +179,7 @@ def load_pair(root=None, host_math: str | None = None):
     """The embedded pair as the demo and the benchmarks run it: target in fp32, drafter in host_drafter_dtype(),
     both with this host math ("float32" or "bf16"; default host_pair_math())."""
     from dpara_rt.assets import load_tiny
-    from dpara_rt.models.host_linear import set_host_math
+    from dpara_rt.host.linear import set_host_math
     tokenizer, target, drafter = load_tiny(root=root, drafter_dtype=host_drafter_dtype())
     for model in (target, drafter):
         set_host_math(model, host_math or host_pair_math())
