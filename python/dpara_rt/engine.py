@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 import torch
 
 from dpara_rt.host.context import WORKER_MODES
+from dpara_rt.host import sharing
 from dpara_rt.host.worker import DrafterWorker
 from dpara_rt.round.lanes import make_lanes
 from dpara_rt.methods import AUTO, AUTO_CANDIDATES, METHODS, needs_drafter, variant, variant_name
@@ -93,6 +94,9 @@ class Engine:
             if drafter is None:
                 raise ValueError(f"method {method!r} needs a drafter; got None")
             check_target_compatible(drafter.config, target)
+        # the weights a drafter worker maps move into shared memory now, before any Engine decodes on them: a worker
+        # started later (by any Engine over these models) moves nothing a native call in another thread reads
+        sharing.bind(target, self.drafter)
         layer_ids = drafter.config.layer_ids if self.drafter is not None else ()
         self.fixed_max_len = max_len
         self.target = make_target(target, max_batch, max_len or _CACHE_GRANULE, layer_ids)

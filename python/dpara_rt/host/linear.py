@@ -112,6 +112,14 @@ class HostLinear(nn.Linear):
     # reused. A tuple: a Parameter assigned to a module attribute would become a parameter of the module.
     _packed_for: tuple = ()
 
+    def __getstate__(self):
+        # The packed copy stays behind: a process it is pickled into packs its own (pickling a tensor into a
+        # worker would move its storage into shared memory under a native call that reads it here).
+        state = dict(super().__getstate__())
+        for name in ("_packed", "_packed_dtype", "_packed_for"):
+            state.pop(name, None)
+        return state
+
     def _native(self, x: Tensor) -> bool:
         w = self.weight
         return (_native_enabled and self.bias is None and x.dtype == torch.float32 and w.dtype == torch.float32

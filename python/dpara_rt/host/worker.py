@@ -26,6 +26,7 @@ from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the sam
 from dpara_rt.core import branch_rows
 from dpara_rt.host.context import BranchSplit, _grown, _reset_row, _scratch_view
 from dpara_rt.host.native import gumbel_noise
+from dpara_rt.host.sharing import for_worker
 
 # Each direction's mailbox (dpara_rt._core.Mailbox): a call carries token lists, a reply a few numbers or an error.
 _MAILBOX_BYTES = 1 << 20
@@ -50,7 +51,9 @@ class DrafterWorker:
             raise ValueError(f"a drafter worker process runs on the host; the drafter is on {drafter.device}")
         ctx = multiprocessing.get_context("spawn")  # fork would copy the lanes' threads' locks mid-use
         self._conn, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(theirs, drafter, list(cores) if cores else None, threads),
+        # for_worker: pickling moves no storage that a decode in this process reads through a raw pointer
+        self._proc = ctx.Process(target=_serve, args=(theirs, for_worker(drafter), list(cores) if cores else None,
+                                                      threads),
                                  name="dpara_rt-drafter", daemon=True)
         with _without_main_script():
             self._proc.start()

@@ -1,0 +1,100 @@
+"""What must never happen quietly: a native call reading freed memory when Engines share a drafter across threads
+(a drafter worker's start moves no storage another thread reads: dpara_rt.host.sharing)."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from dpara_rt.engine import Engine
+from dpara_rt.host.sharing import for_worker, pickled_tensors
+from dpara_rt.host.worker import DrafterWorker
+from dpara_rt.methods import variant
+from dpara_rt.tools.compare import load_pair
+
+PROMPTS = [[1, 5, 9, 13, 17], [2, 4, 6]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def pair():
+    _, target, drafter = load_pair()
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(pair):
+    target, _ = pair
+    return Engine(target, None, method="ar").generate(PROMPTS, NEW).tokens
+
+
+def _addresses(drafter) -> dict[int, int]:
+    return {id(t): t.data_ptr() for t in pickled_tensors(drafter)}
+
+
+def test_two_engines_over_one_drafter_in_threads_match_ar(pair, ar_tokens):
+    # One thread drafts with the native Markov head (PSD) while the other starts its DPara worker process.
+    target, drafter = pair
+    engines = [Engine(target, drafter, **variant(name)) for name in ("psd-pearl", "dpara-logits")]
+    barrier = threading.Barrier(len(engines))
+    outs: dict[int, list] = {i: [] for i in range(len(engines))}
+    errors: list[BaseException] = []
+
+    def run(i: int, eng: Engine) -> None:
+        try:
+            barrier.wait()
+            for _ in range(4):
+                outs[i].append(eng.generate(PROMPTS, NEW).tokens)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, eng)) for i, eng in enumerate(engines)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        for eng in engines:
+            eng.close()
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    assert outs == {0: [ar_tokens] * 4, 1: [ar_tokens] * 4}
+
+
+def test_engine_construction_puts_the_worker_weights_in_shared_memory(pair):
+    target, drafter = pair
+    Engine(target, drafter, method="dspark")  # any method: another Engine over this drafter may start a worker
+    assert all(t.is_shared() for t in pickled_tensors(drafter))
+    assert target.embed_tokens.weight.is_shared() and target.lm_head.weight.is_shared()
+
+
+def test_a_worker_start_moves_no_storage(pair):
+    target, drafter = pair
+    Engine(target, drafter, method="dpara")
+    before = _addresses(drafter)
+    worker = DrafterWorker(drafter, None, 1)
+    try:
+        assert worker.call("ping") == worker.pid
+    finally:
+        worker.close()
+    assert _addresses(drafter) == before
+
+
+def test_weights_replaced_after_binding_are_copied_for_the_worker_not_moved(pair, ar_tokens):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", dpara_ring="logits", drafter_worker="process")
+    old = drafter.w1
+    drafter.w1 = nn.Parameter(old.detach().clone())  # private memory, in no shared segment
+    try:
+        address = drafter.w1.data_ptr()
+        snapshot = for_worker(drafter)
+        assert snapshot is not drafter and snapshot.w1.is_shared() and not drafter.w1.is_shared()
+        assert torch.equal(snapshot.w1, drafter.w1) and drafter.w1.data_ptr() == address
+        assert eng.generate(PROMPTS, NEW).tokens == ar_tokens
+        assert drafter.w1.data_ptr() == address and not drafter.w1.is_shared()
+    finally:
+        eng.close()
+        drafter.w1 = old
+    assert for_worker(drafter) is drafter  # all shared again: the drafter itself goes
+
