@@ -1,5 +1,7 @@
 """What must never happen quietly: a native call reading freed memory when Engines share a drafter across threads
-(a drafter worker's start moves no storage another thread reads: dpara_rt.host.sharing)."""
+(a drafter worker's start moves no storage another thread reads: dpara_rt.host.sharing), and a damaged target's
+NaN logits turned into tokens (every logit that becomes a token is checked, the prefill's included)."""
+import copy
 import threading
 
 import pytest
@@ -10,6 +12,9 @@ from dpara_rt.engine import Engine
 from dpara_rt.host.sharing import for_worker, pickled_tensors
 from dpara_rt.host.worker import DrafterWorker
 from dpara_rt.methods import variant
+from dpara_rt.models.autoregressive import ARDecoder
+from dpara_rt.models.hf_target import HFCausalLM, HFTarget
+from dpara_rt.models.target import Target
 from dpara_rt.tools.compare import load_pair
 
 PROMPTS = [[1, 5, 9, 13, 17], [2, 4, 6]]
@@ -98,3 +103,90 @@ def test_weights_replaced_after_binding_are_copied_for_the_worker_not_moved(pair
         drafter.w1 = old
     assert for_worker(drafter) is drafter  # all shared again: the drafter itself goes
 
+
+# ------------------------------------------------------------------ non-finite logits
+def _nan_copy(target):
+    """A copy of `target` whose layer 3 MLP output weights are NaN, and a function that repairs it in place."""
+    bad = copy.deepcopy(target)
+    weight = bad.layers[3].mlp.down_proj.weight
+    good = weight.detach().clone()
+    with torch.no_grad():
+        weight.fill_(float("nan"))
+
+    def repair():
+        with torch.no_grad():
+            weight.copy_(good)
+    return bad, repair
+
+
+def _one_line_non_finite(e: pytest.ExceptionInfo) -> None:
+    text = str(e.value)
+    assert "\n" not in text and "non-finite" in text and "expected finite logits" in text
+
+
+@pytest.mark.parametrize("name", ["ar", "dspark", "dpara", "dpara-single", "psd-pearl", "dflash"])
+def test_a_nan_target_raises_at_prefill_and_the_engine_recovers(pair, ar_tokens, name):
+    target, drafter = pair
+    bad, repair = _nan_copy(target)
+    eng = Engine(bad, drafter, **variant(name))
+    try:
+        for sampling in ({}, {"temperature": 1.0, "seed": 3}):
+            with pytest.raises(FloatingPointError, match=r"^prefill: .*prompt\(s\) \[0, 1\]") as e:
+                eng.generate(PROMPTS, NEW, **sampling)
+            _one_line_non_finite(e)
+        repair()  # the same engine decodes again, and right
+        assert eng.generate(PROMPTS, NEW).tokens == ar_tokens
+    finally:
+        eng.close()
+    good = Engine(target, drafter, **variant(name))  # and a fresh one over the same drafter
+    try:
+        assert good.generate(PROMPTS, NEW).tokens == ar_tokens
+    finally:
+        good.close()
+
+
+def test_every_prefill_of_the_native_target_is_checked(pair):
+    target, _ = pair
+    bad, _ = _nan_copy(target)
+    t = Target(bad, 2, 64)
+    with pytest.raises(FloatingPointError, match=r"prompt\(s\) \[0, 1\]") as e:
+        t.start(PROMPTS)
+    _one_line_non_finite(e)
+    t.grow(2)
+    with pytest.raises(FloatingPointError, match=r"prompt\(s\) \[1\]") as e:
+        t.prefill_row(1, [3, 4, 5])
+    _one_line_non_finite(e)
+
+
+def test_every_prefill_of_a_transformers_target_is_checked():
+    from conftest import build_hf_qwen3
+    hf = build_hf_qwen3()
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
+    model = HFCausalLM(hf)
+    t = HFTarget(model, 2, 64)
+    with pytest.raises(FloatingPointError, match=r"prompt\(s\) \[0, 1\]") as e:
+        t.start(PROMPTS)
+    _one_line_non_finite(e)
+    t.grow(2)
+    with pytest.raises(FloatingPointError, match=r"prompt\(s\) \[0\]"):
+        t.prefill_row(0, [3, 4, 5])
+    eng = Engine(model, None, method="ar")
+    for sampling in ({}, {"temperature": 0.7, "seed": 1}):
+        with pytest.raises(FloatingPointError, match="^prefill: "):
+            eng.generate(PROMPTS, 4, **sampling)
+
+
+def test_the_reference_ar_loop_checks_every_step(pair, monkeypatch):
+    target, _ = pair
+    dec = ARDecoder(Target(target, 1, 64), 8)
+    dec.start([[1, 2, 3]])
+    real = dec.target.verify
+
+    def nan_verify(tokens):
+        logits, feats = real(tokens)
+        return torch.full_like(logits, float("nan")), feats
+    monkeypatch.setattr(dec.target, "verify", nan_verify)
+    with pytest.raises(FloatingPointError, match="^round 1: .*non-finite") as e:
+        dec.step()
+    _one_line_non_finite(e)

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dpara_rt.host.native import all_finite
 from dpara_rt.models.target import Target
 from dpara_rt.sampling import check_sampling, make_generator, sample
 
@@ -61,6 +62,9 @@ class ARDecoder:
         return self._take(logits[:, 0])
 
     def _take(self, logits: Tensor) -> Tensor:
+        if not all_finite(logits):  # an arg-max of NaNs is token 0 (often an EOS): a silent wrong answer
+            raise FloatingPointError(f"round {self.rounds}: the target's logits hold non-finite values (NaN or inf); "
+                                     "expected finite logits (a damaged model or an overflow in its dtype)")
         tok = sample(logits, self.temperature, self.top_p, self.generator).cpu()
         live = ~self.finished
         tok = torch.where(live, tok, torch.full_like(tok, -1))

@@ -202,7 +202,7 @@ class HFTarget(TargetBase):
         self._lengths.zero_()
         self._lengths[:B] = prompt_lens
         self.batch = B
-        return torch.stack(logits), feats, prompt_lens
+        return self._finite_prefill(torch.stack(logits), range(B)), feats, prompt_lens
 
     def _prefill(self, p: list[int]) -> tuple[object, Tensor, Tensor]:
         """A new cache holding prompt p: (cache, last logits [V], features [T, F])."""
@@ -226,7 +226,7 @@ class HFTarget(TargetBase):
         self._check_row(b, prompt)
         self.caches[b], logits, feats = self._prefill(prompt)
         self._lengths[b] = len(prompt)
-        return logits, feats
+        return self._finite_prefill(logits, [b]), feats
 
     @torch.no_grad()
     def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

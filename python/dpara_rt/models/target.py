@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
-from dpara_rt.host.native import argmax_if_finite
+from dpara_rt.host.native import all_finite, argmax_if_finite
 
 
 class TargetBase:
@@ -77,6 +77,17 @@ class TargetBase:
             features_out.copy_(feats)
             feats = features_out
         return logits, feats, argmax_if_finite(logits)
+
+    @staticmethod
+    def _finite_prefill(logits: Tensor, rows: Sequence[int]) -> Tensor:
+        """The prefill's last logits ([len(rows), V] or [V] for one row), checked: each request's first token is
+        taken from them, greedy or sampled (an arg-max of NaNs is token 0, often an EOS: a silent empty answer)."""
+        if all_finite(logits):
+            return logits
+        finite = torch.isfinite(logits.reshape(len(rows), -1)).all(-1).tolist()
+        bad = [rows[i] for i, ok in enumerate(finite) if not ok]
+        raise FloatingPointError(f"prefill: the target's last logits of prompt(s) {bad} hold non-finite values (NaN "
+                                 "or inf); expected finite logits (a damaged model or an overflow in its dtype)")
 
     def _check_verify(self, tokens, lengths: Tensor) -> Tensor:
         """Checked verify tokens [batch, T] (long); `lengths` are the rows' committed lengths."""
@@ -176,7 +187,7 @@ class Target(TargetBase):
         self._plan = self.model.verify_plan(self.cache, self.layer_ids)
         valid = (positions < prompt_lens[:, None]).to(dev)
         feats = self._features(feats, B, Tmax) * valid[..., None]
-        return logits[:, 0], feats, prompt_lens
+        return self._finite_prefill(logits[:, 0], range(B)), feats, prompt_lens
 
     def grow(self, batch: int) -> None:
         """Continuous batching, between rounds: `batch` rows in use from now on; the new ones are empty."""
@@ -195,7 +206,7 @@ class Target(TargetBase):
                                    kv_len=T, logits_index=torch.tensor([T - 1], device=dev))
         self.cache.lengths[b] = T
         self._plan = self.model.verify_plan(self.cache, self.layer_ids)  # the layers as this forward checked them
-        return logits[0, 0], self._features(feats, 1, T)[0]
+        return self._finite_prefill(logits[0, 0], [b]), self._features(feats, 1, T)[0]
 
     @torch.no_grad()
     def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
