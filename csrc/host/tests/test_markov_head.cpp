@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "check.h"
-#include "dpara_rt/host_linear.h"
-#include "dpara_rt/markov_head.h"
+#include "dpara_rt/host/linear.h"
+#include "dpara_rt/host/markov_head.h"
 
 using namespace dpara_rt;
 using I = std::vector<std::int64_t>;

@@ -3,8 +3,8 @@
 #include <utility>
 #include <vector>
 
-#include "dpara_rt/host_linear.h"
-#include "dpara_rt/markov_head.h"
+#include "dpara_rt/host/linear.h"
+#include "dpara_rt/host/markov_head.h"
 #include "util.h"
 
 namespace dpara_rt {

@@ -1,11 +1,11 @@
 #pragma once
-// Private to the core's sources: the host Qwen3 layer's attention (host_qwen3.cpp), over a KV cache and over a
-// drafter's block of rows, and the pieces both files share.
+// Private to the host library's sources: the host Qwen3 layer's attention (qwen3.cpp), over a KV cache and
+// over a drafter's block of rows, and the pieces both files share.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
-#include "dpara_rt/host_qwen3.h"
+#include "dpara_rt/host/qwen3.h"
 #include "markov_head_math.h"  // F8, load8, DPARA_RT_INLINE
 
 namespace dpara_rt::detail {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "check.h"
-#include "dpara_rt/host_linear.h"
+#include "dpara_rt/host/linear.h"
 
 using namespace dpara_rt;
 using F = std::vector<float>;

@@ -1,5 +1,6 @@
 #pragma once
-// Private helpers for the core's sources: message formatting and argument checks.
+// Private helpers for the sources of dpara_rt_core and dpara_rt_host (never installed): message formatting and
+// argument checks.
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>

@@ -1,4 +1,4 @@
-#include "dpara_rt/verify.h"
+#include "dpara_rt/host/verify.h"
 
 #include <algorithm>
 #include <cstddef>

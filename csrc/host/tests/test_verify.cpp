@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "check.h"
-#include "dpara_rt/verify.h"
+#include "dpara_rt/host/verify.h"
 
 using namespace dpara_rt;
 using I = std::vector<std::int64_t>;

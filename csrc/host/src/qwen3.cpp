@@ -1,6 +1,6 @@
-// One Qwen3 decoder layer on the host (see dpara_rt/host_qwen3.h): projections through host_linear, and the
+// One Qwen3 decoder layer on the host (see dpara_rt/host/qwen3.h): projections through host_linear, and the
 // per-token work between them (norms, RoPE, the KV write, attention, SiLU) as vectorised loops over one row.
-#include "dpara_rt/host_qwen3.h"
+#include "dpara_rt/host/qwen3.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,9 +8,9 @@
 #include <memory>
 #include <vector>
 
-#include "dpara_rt/host_linear.h"
-#include "dpara_rt/verify.h"
-#include "host_attention.h"
+#include "dpara_rt/host/linear.h"
+#include "dpara_rt/host/verify.h"
+#include "attention.h"
 #include "markov_head_math.h"  // F8, exp_nonpositive(8), DPARA_RT_HOT / DPARA_RT_INLINE
 #include "two_parts.h"
 #include "util.h"

@@ -1,6 +1,6 @@
-// The host Qwen3 layer's attention (see host_attention.h): scores, softmax and value sums as vectorised loops,
+// The host Qwen3 layer's attention (see attention.h): scores, softmax and value sums as vectorised loops,
 // the queries that share a KV head taken together so that its keys and values are read once for all of them.
-#include "host_attention.h"
+#include "attention.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,8 +1,8 @@
-// bf16_dot products (see dpara_rt/host_linear.h): x rounded to bfloat16 pairs once a call, then MR x 32 tiles of
+// bf16_dot products (see dpara_rt/host/linear.h): x rounded to bfloat16 pairs once a call, then MR x 32 tiles of
 // float32 sums, a step per pair of input features. AVX512-BF16's vdpbf16ps where the CPU has it, else two FMAs in
 // its order (the odd feature's product first), which gives its bits: measured on the instruction, 3.2M sums
 // without a difference.
-#include "host_linear_dot.h"
+#include "linear_dot.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -22,7 +22,7 @@
 namespace dpara_rt::detail {
 namespace {
 
-constexpr std::int64_t kPanel = 32;     // host_linear.h's kHostLinearPanel: columns per panel
+constexpr std::int64_t kPanel = 32;     // linear.h's kHostLinearPanel: columns per panel
 constexpr std::int64_t kRowBlock = 64;  // rows per pass over the panels: their pairs stay in L2 while W streams
 constexpr std::int64_t kPrefetchBytes = 4096;  // as host_linear.cpp's tiles: the next panel rows, ahead of need
 

@@ -1,5 +1,5 @@
-// Two halves of a host computation at once, on the caller's thread and the core's helper thread (the one
-// host_linear_two_threads hands its second half to). Internal to the core.
+// Two halves of a host computation at once, on the caller's thread and the host library's helper thread (the
+// one host_linear_two_threads hands its second half to). Private to the host library's sources.
 #pragma once
 
 #include <functional>

@@ -1,6 +1,6 @@
 #pragma once
-// The bf16_dot format of the host linear layer (dpara_rt/host_linear.h): its packing and its product, private to
-// host_linear.cpp, which checks the arguments and dispatches here.
+// The bf16_dot format of the host linear layer (dpara_rt/host/linear.h): its packing and its product, private to
+// linear.cpp, which checks the arguments and dispatches here.
 #include <cstdint>
 
 namespace dpara_rt::detail {

@@ -1,6 +1,6 @@
 #pragma once
-// Private to the core's sources: a short wait for another thread or process, spent on this core rather than in
-// the scheduler, that still gives the core to any other thread that wants it.
+// Private to the sources of dpara_rt_core and dpara_rt_host: a short wait for another thread or process, spent on
+// this core rather than in the scheduler, that still gives the core to any other thread that wants it.
 #include <chrono>
 
 #if defined(__linux__)

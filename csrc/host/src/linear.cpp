@@ -1,6 +1,6 @@
-// The host linear layer (see dpara_rt/host_linear.h): an MR x 32 register tile of float32 accumulators, one
-// packed weight panel streamed through it in k order. bf16_dot panels: host_linear_dot.cpp.
-#include "dpara_rt/host_linear.h"
+// The host linear layer (see dpara_rt/host/linear.h): an MR x 32 register tile of float32 accumulators, one
+// packed weight panel streamed through it in k order. bf16_dot panels: linear_dot.cpp.
+#include "dpara_rt/host/linear.h"
 
 #include <algorithm>
 #include <atomic>
@@ -17,7 +17,7 @@
 #include <sched.h>
 #endif
 
-#include "host_linear_dot.h"
+#include "linear_dot.h"
 #include "spin.h"
 #include "two_parts.h"
 #include "util.h"

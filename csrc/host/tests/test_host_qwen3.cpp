@@ -11,10 +11,10 @@
 #include <thread>
 #include <vector>
 
-#include "../src/host_attention.h"  // the layers' private scratch
+#include "../src/attention.h"  // the layers' private scratch
 #include "check.h"
-#include "dpara_rt/host_linear.h"
-#include "dpara_rt/host_qwen3.h"
+#include "dpara_rt/host/linear.h"
+#include "dpara_rt/host/qwen3.h"
 
 using namespace dpara_rt;
 using F = std::vector<float>;

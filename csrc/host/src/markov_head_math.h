@@ -1,6 +1,6 @@
 #pragma once
 // The host Markov head's scalar building blocks: branch-free log / exp, Philox4x32-10 and the Gumbel transform,
-// boundary rows to float32. A private header of markov_head.cpp and host_qwen3.cpp (softmax and SiLU use its exp),
+// boundary rows to float32. A private header of markov_head.cpp and qwen3.cpp (softmax and SiLU use its exp),
 // hence the unnamed namespace.
 #include <cmath>
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "dpara_rt/markov_head.h"
+#include "dpara_rt/host/markov_head.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "dpara_rt/markov_bias_cache.h"
+#include "dpara_rt/host/markov_bias_cache.h"
 #include "markov_head_math.h"
 #include "util.h"
 

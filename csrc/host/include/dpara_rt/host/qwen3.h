@@ -9,7 +9,7 @@
 // decoding it alone would.
 #include <cstdint>
 
-#include "dpara_rt/host_linear.h"
+#include "dpara_rt/host/linear.h"
 #include "dpara_rt/types.h"
 
 namespace dpara_rt {

@@ -10,8 +10,8 @@
 // is never drafted (torch.argmax would pick the first NaN).
 #include <cstdint>
 
-#include "dpara_rt/host_linear.h"
-#include "dpara_rt/markov_bias_cache.h"
+#include "dpara_rt/host/linear.h"
+#include "dpara_rt/host/markov_bias_cache.h"
 #include "dpara_rt/types.h"
 
 namespace dpara_rt {

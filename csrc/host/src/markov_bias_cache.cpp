@@ -1,4 +1,4 @@
-#include "dpara_rt/markov_bias_cache.h"
+#include "dpara_rt/host/markov_bias_cache.h"
 
 #include <limits>
 
