@@ -3,5 +3,5 @@
 tree_attention  spine + branch tree-mask attention for the DPara backbone forward
 markov_head     fused Markov head: boundary logits + rank-R bias, arg-max or Gumbel-max, d steps
 verify          greedy and lossless rejection-sampling verification
-Triton itself is optional and imported on the first Triton launch only (see _triton.py).
+Triton itself is optional and imported on the first Triton launch only (see triton_support.py).
 """

@@ -6,9 +6,9 @@ which covers the lowest vocabulary range.
 """
 from __future__ import annotations
 
-from ._triton import kernel
+from .triton_support import kernel
 
-tl = None  # bound to triton.language by _triton.load()
+tl = None  # bound to triton.language by triton_support.load()
 
 
 @kernel

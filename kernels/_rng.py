@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import kernel
+from .triton_support import kernel
 
-tl = None  # bound to triton.language by _triton.load()
+tl = None  # bound to triton.language by triton_support.load()
 
 MASK32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57

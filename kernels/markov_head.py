@@ -16,9 +16,9 @@ import torch
 
 from ._argmax import argmax_update, reduce_split_argmax
 from ._rng import as_int32_bits, gumbel, gumbel_noise, split_u64
-from ._triton import cdiv, check_device, dot_options, interpreting, kernel, load, next_pow2, num_sms
+from .triton_support import cdiv, check_device, dot_options, interpreting, kernel, load, next_pow2, num_sms
 
-tl = None  # bound to triton.language by _triton.load()
+tl = None  # bound to triton.language by triton_support.load()
 
 
 def inverse_temperature(temperature: float) -> float:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _core
-from ._triton import cdiv, check_device, dot_options, kernel, load, num_sms
+from .triton_support import cdiv, check_device, dot_options, kernel, load, num_sms
 
-tl = None  # bound to triton.language by _triton.load()
+tl = None  # bound to triton.language by triton_support.load()
 
 LOG2E = 1.4426950408889634
 

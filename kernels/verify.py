@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from ._argmax import argmax_update, reduce_split_argmax
-from ._triton import cdiv, check_device, interpreting, kernel, load, next_pow2, num_sms
+from .triton_support import cdiv, check_device, interpreting, kernel, load, next_pow2, num_sms
 
-tl = None  # bound to triton.language by _triton.load()
+tl = None  # bound to triton.language by triton_support.load()
 
 
 def verify_greedy_reference(target_logits, draft):

@@ -15,7 +15,10 @@ import torch
 
 from dpara_rt import _core
 from dpara_rt.core import slot_tensor, staging_tensor
-from dpara_rt.host.context import BranchSplit, LocalContext, WorkerContext
+from dpara_rt.drafting.device import LocalContext
+from dpara_rt.host.branch_split import BranchSplit
+from dpara_rt.host.backend import HostBackend
+from dpara_rt.host.context import WorkerContext
 from dpara_rt.host.worker import DrafterWorker
 from dpara_rt.engine import WORKER_SPIN_S, Engine
 from dpara_rt.round.decoder import Draft
@@ -384,7 +387,6 @@ def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monk
     with the worker's branch buffer when it computes q): the outputs equal those of the projection and the head
     called from Python, greedy and sampled. (With a worker the projection is shared with it, tested below; here
     the head projects alone.)"""
-    from dpara_rt.round.decoder import Decoder
     from dpara_rt.models.drafter import Drafter
     from dpara_rt.host.native import HostMarkovHead
     target, drafter = pair
@@ -392,7 +394,7 @@ def test_the_hidden_rings_head_in_one_core_call_changes_nothing(pair, mode, monk
     calls = []
     fused = HostMarkovHead.from_hidden
     monkeypatch.setattr(HostMarkovHead, "from_hidden", lambda self, *a, **k: calls.append(1) or fused(self, *a, **k))
-    monkeypatch.setattr(Decoder, "project_ahead", lambda self, out, slot: None)
+    monkeypatch.setattr(HostBackend, "project_ahead", lambda self, out: None)
     out = {}
     for split in (False, True):
         if split:
@@ -415,13 +417,12 @@ def test_the_worker_projects_a_share_of_branch_r_and_the_drafts_are_the_same(pai
     (project_branch) while the head projects the first ones. The drafts are those of the head projecting alone
     (the same tokens and tau, so the same acceptances), for a batch of two, greedy and sampled, and every round
     after each decode's serial first draft shared its projection."""
-    from dpara_rt.round.decoder import Decoder
     target, drafter = pair
     prompts = [[3, 9, 4, 1], [7, 7, 2, 5, 6, 8]]
     sent = []
     post = DrafterWorker.post
     monkeypatch.setattr(DrafterWorker, "post", lambda self, op, *a, **k: sent.append((op, a)) or post(self, op, *a, **k))
-    ahead = Decoder.project_ahead
+    ahead = HostBackend.project_ahead
 
     def decode():
         eng = Engine(target, drafter, method="dpara", d=D, dpara_ring="hidden", drafter_worker="process")
@@ -444,14 +445,14 @@ def test_the_worker_projects_a_share_of_branch_r_and_the_drafts_are_the_same(pai
     sent.clear()
     jumping = decode()
     assert {panel, vocab - panel} <= set(seen) and len(seen) == len([op for op, _ in sent if op == "project_branch"])
-    monkeypatch.setattr(Decoder, "project_ahead", lambda self, out, slot: None)
+    monkeypatch.setattr(HostBackend, "project_ahead", lambda self, out: None)
     sent.clear()
     alone = decode()
     assert not [op for op, _ in sent if op == "project_branch"]
     for other in (shared, jumping):
         assert other.tokens == alone.tokens and other.stats.tau == alone.stats.tau
         assert other.stats.acceptance_histogram == alone.stats.acceptance_histogram
-    monkeypatch.setattr(Decoder, "project_ahead", ahead)
+    monkeypatch.setattr(HostBackend, "project_ahead", ahead)
 
 
 def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_draft(pair, monkeypatch):
@@ -476,7 +477,7 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
             eng.close()
     prompt = [[3, 9, 4, 1, 3, 9, 4, 1]]
     guessed = decode(prompt)
-    guess = decoders[-1].guess
+    guess = decoders[-1].drafting.guess
     assert guess.guesses >= guessed.stats.rounds - 2 and guess.hits > 0, (guess.guesses, guess.hits)
     assert sent.count("guess_branch") == guess.guesses
     # every round that goes on is judged (not the last): a hit sends no share; round 1 (s_0 alone) always hits
@@ -484,13 +485,13 @@ def test_a_right_guess_at_branch_r_skips_the_heads_projection_and_changes_no_dra
     assert sent.count("project_branch") == len(judged) - guess.hits
     monkeypatch.setattr(BranchGuess, "post", lambda self, slot, active=True, known=None: None)
     plain = decode(prompt)
-    assert decoders[-1].guess.hits == 0
+    assert decoders[-1].drafting.guess.hits == 0
     assert guessed.tokens == plain.tokens and guessed.stats.tau == plain.stats.tau
     assert guessed.stats.acceptance_histogram == plain.stats.acceptance_histogram
     decode(prompt, temperature=1.0, seed=3)
-    assert decoders[-1].guess is None
+    assert decoders[-1].drafting.guess is None
     decode(prompt * 2)
-    assert decoders[-1].guess is None
+    assert decoders[-1].drafting.guess is None
 
 
 def test_a_guess_is_taken_only_by_the_head_of_the_round_that_found_it_right():

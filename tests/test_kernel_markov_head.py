@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from dpara_rt.kernels import _rng, _triton  # noqa: E402
+from dpara_rt.kernels import _rng, triton_support  # noqa: E402
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,10 +29,10 @@ def _inputs(batch, n_slots, d, vocab, rank, dtype, seed=0, scale=1.0):
     return boundary, r, bonus, w1, w2
 
 
-tl = None  # bound to triton.language by _triton.load()
+tl = None  # bound to triton.language by triton_support.load()
 
 
-@_triton.kernel
+@triton_support.kernel
 def _gumbel_probe(OUT, seed, off_lo, off_hi, base, N: tl.constexpr):
     idx = tl.arange(0, N)
     tl.store(OUT + idx, _rng.gumbel_noise(seed, (idx.to(tl.int64) + base).to(tl.uint32), off_lo, off_hi))
@@ -48,7 +48,7 @@ def test_philox_known_answer():
 @pytest.mark.parametrize("seed,offset,base", [(0, 0, 0), (12345, (1 << 31) + 7, (1 << 32) - 300),
                                               ((1 << 62) + 3, (1 << 63) - 1, 5)])
 def test_triton_gumbel_noise_is_the_torch_stream(seed, offset, base):
-    _triton.load()
+    triton_support.load()
     n = 512
     out = torch.empty(n, device=DEVICE)
     off_lo, off_hi = (_rng.as_int32_bits(w) for w in _rng.split_u64(offset))

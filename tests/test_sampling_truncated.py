@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dpara_rt.engine import Engine  # noqa: E402
-from dpara_rt.kernels._triton import interpreting  # noqa: E402
+from dpara_rt.kernels.triton_support import interpreting  # noqa: E402
 from dpara_rt.kernels.verify import verify_sample_reference, verify_sample_triton  # noqa: E402
 from dpara_rt.methods import variant  # noqa: E402
 from dpara_rt.round.decoder import DecodeOptions  # noqa: E402

@@ -8,9 +8,12 @@ Placement: ``split`` gives the target and the drafter a device each (two CUDA de
 host lanes pinned to a core each); ``colocated`` (DPara-single) puts both lanes on one device (two streams
 of one GPU, or two host lanes sharing one core). With ``split`` on the host, DPara's drafter forwards run in a
 worker process (``drafter_worker``: "auto", "process" or "thread"; see dpara_rt.host.context) that the engine
-starts at its first DPara decode and ``close()`` stops. The constructor's sampling arguments are defaults; each
-call may override them. Sampling draws from temperature, then top-k (0 = off), then top-p (1 = off) with every
-method: speculative verification uses the same truncated target distribution as AR, so it stays lossless.
+starts at its first DPara decode and ``close()`` stops. ``drafting`` picks the drafting backend
+(dpara_rt.drafting): "device" (torch and Triton on any device), "host" (a CPU drafter: the worker process and the
+host's other mechanisms, python/dpara_rt/host/README.md) or "auto" (host for a CPU drafter, else device). The
+constructor's sampling arguments are defaults; each call may override them. Sampling draws from temperature, then
+top-k (0 = off), then top-p (1 = off) with every method: speculative verification uses the same truncated target
+distribution as AR, so it stays lossless.
 A call may give temperature, top_p, top_k and seed per request (a sequence with one value per prompt); see
 ``generate`` for what a per-request seed guarantees.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import numbers
 import os
 import sys
@@ -29,6 +33,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dpara_rt.drafting import DeviceBackend
+from dpara_rt.host.backend import HostBackend
 from dpara_rt.host.context import WORKER_MODES
 from dpara_rt.host import sharing
 from dpara_rt.host.worker import DrafterWorker
@@ -40,6 +46,7 @@ from dpara_rt.models.drafter_io import check_target_compatible
 from dpara_rt.models.hf_target import make_target
 from dpara_rt.round.stats import Stats, summarize
 
+DRAFTING_BACKENDS = ("auto", "device", "host")
 MAX_BATCH = 16  # the default batch limit; serving derives one from memory (batch_for_memory)
 GIL_SWITCH_S = 2e-4
 # A drafter worker on cores of its own and the lane it answers spin this long for each other's messages before
@@ -60,7 +67,7 @@ class Engine:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  max_batch: int = MAX_BATCH, max_len: int | None = None, eos_ids: Sequence[int] | None = None,
                  psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "auto", threads_per_lane: int = 1,
-                 drafter_worker: str = "auto"):
+                 drafter_worker: str = "auto", drafting: str = "auto"):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
         if not is_int(max_batch) or max_batch < 1:
@@ -71,10 +78,17 @@ class Engine:
             raise ValueError(f"threads_per_lane = {threads_per_lane!r}; expected an int >= 1")
         if drafter_worker not in WORKER_MODES:
             raise ValueError(f"drafter_worker {drafter_worker!r}; expected one of {WORKER_MODES}")
-        if drafter_worker == "process" and drafter is not None and drafter.device.type != "cpu":
-            raise ValueError(f"drafter_worker 'process' runs the drafter in a host process; the drafter is on "
-                             f"{drafter.device} (use 'thread' or 'auto')")
+        if drafting not in DRAFTING_BACKENDS:
+            raise ValueError(f"drafting {drafting!r}; expected one of {DRAFTING_BACKENDS}")
+        on_host = drafter is not None and drafter.device.type == "cpu"
+        if drafting == "host" and drafter is not None and not on_host:
+            raise ValueError(f"drafting 'host' runs the drafter on the CPU host; the drafter is on {drafter.device} "
+                             "(use 'device' or 'auto')")
+        if drafter_worker == "process" and drafter is not None and (not on_host or drafting == "device"):
+            raise ValueError(f"drafter_worker 'process' runs the drafter in a host process (the host backend); the "
+                             f"drafter is on {drafter.device} with drafting {drafting!r} (use 'thread' or 'auto')")
         self.method, self.placement, self.drafter_worker = method, placement, drafter_worker
+        self.drafting = ("host" if on_host else "device") if drafting == "auto" else drafting
         self._worker: DrafterWorker | None = None
         self._kept_buffers: dict = {}  # the last decode's staging and ring (Decoder._batch_buffers)
         eos_ids = target.config.eos_token_id if eos_ids is None else eos_ids
@@ -244,11 +258,14 @@ class Engine:
                 admission=None, stream: bool = True):
         """Run one decode, yielding each round's commits (all at its end when not `stream`)."""
         spec = METHODS[method]
-        worker = self._worker_for(spec)  # started once per engine: not this decode's wall
+        backend = None
+        if spec.needs_drafter:
+            worker = self._worker_for(spec)  # started once per engine: not this decode's wall
+            backend = (DeviceBackend if self.drafting == "device"
+                       else functools.partial(HostBackend, worker=worker))
         t0 = time.perf_counter()  # the decoder's setup (buffers, the worker's cache) is part of the decode's wall
-        dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, spec.needs_drafter,
-                                       markov=spec.markov, admission=admission, worker=worker,
-                                       kept=self._kept_buffers)
+        dec = ticket.decoder = Decoder(self.target, self.drafter, self.lanes, opts, prompts, backend,
+                                       markov=spec.markov, admission=admission, kept=self._kept_buffers)
         dec.chain.stream = stream
         new_tokens = 0
         for new in dec.run(spec.run):
@@ -262,7 +279,7 @@ class Engine:
         process where it pays: a method that drafts beside verification (dpara), on the host, with each lane on
         its own cores (two threads of one interpreter slow each other's torch ops; two processes do not)."""
         mode = self.drafter_worker
-        if not spec.worker or self.drafter is None or mode == "thread":
+        if not spec.worker or self.drafter is None or mode == "thread" or self.drafting != "host":
             return None
         if mode == "auto" and (self.drafter.device.type != "cpu" or self.placement != "split"):
             return None

@@ -15,8 +15,8 @@ import os
 import torch
 
 from dpara_rt import _core
-from dpara_rt.kernels import _triton
-from dpara_rt.host.native import HostMarkovHead, markov_head_native, verify_sample_native
+from dpara_rt.kernels import triton_support
+from dpara_rt.host.native import HostMarkovHead, all_finite, markov_head_native, verify_sample_native  # noqa: F401
 from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton
 from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_size
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,
@@ -40,7 +40,7 @@ def backend(device: torch.device) -> str:
     if forced not in ("", "auto"):
         raise ValueError(f"DPARA_RT_OPS={forced!r}: expected one of {_BACKENDS} or unset")
     if device.type == "cuda":
-        return "triton" if _triton.available() else "torch"
+        return "triton" if triton_support.available() else "torch"
     return "host"
 
 

@@ -1,12 +1,12 @@
-"""The drafter's context cache and the work done on it, in this process or in a drafter worker process.
+"""The drafter's context cache and the work done on it in a drafter worker process (``WorkerContext``).
 
 Two lanes that are threads of one process share one interpreter: a lane's torch ops wait for the other lane's
 Python between them, and the target's verify slows by a fifth or more while the backbone runs beside it. A
 worker process gives the drafter its own interpreter; what remains is the hardware's contention (shared cache
 and memory bandwidth).
 
-``LocalContext`` runs the drafter in the calling thread (every method, any device). ``WorkerContext`` sends
-the same calls to a ``DrafterWorker`` (``dpara_rt.host.worker``): a spawned process holding the drafter (its
+``dpara_rt.drafting.device.LocalContext`` runs the drafter in the calling thread. ``WorkerContext`` sends the
+same calls (and a few only a worker has) to a ``DrafterWorker`` (``dpara_rt.host.worker``): a spawned process holding the drafter (its
 weights, and the target's embedding and output head, shared with this process, not copied) and the context cache. The boundary ring and
 the features staging are the core's shared memory (memfds), mapped by both processes, so boundary logits and
 features never cross the pipe; a call carries only token ids and row counts. A round's absorb and backbone go
@@ -19,106 +19,23 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from dpara_rt import _core
+from dpara_rt.host.branch_split import BranchSplit
+from dpara_rt.host.worker import DrafterWorker, scratch_view
 
-if TYPE_CHECKING:
-    from dpara_rt.host.worker import DrafterWorker
 
 WORKER_MODES = ("auto", "thread", "process")
 # worker call -> timeline phase
 _PHASES = {"absorb_prompt": "context", "absorb_staged": "context", "boundary": "backbone"}
 
 
-class LocalContext:
-    """The drafter and its context cache in this process: every call runs now, in the calling thread."""
-    remote = False
-
-    def __init__(self, drafter, batch: int, max_len: int):
-        self.drafter = drafter
-        self.cache = drafter.new_context_cache(batch, max_len)
-
-    def map_buffers(self, staging, ring) -> None:
-        """Nothing to map: the caller hands tensors over directly."""
-
-    def absorb(self, features: torch.Tensor, keep: torch.Tensor) -> None:
-        """Append the first keep[b] rows of features [B, T, F] to row b of the context."""
-        self.drafter.extend_context(self.cache, features.to(self.drafter.device, non_blocking=True), keep)
-
-    def block_logits(self, bonus: torch.Tensor, n: int, untrained_ok: bool) -> torch.Tensor:
-        return self.drafter.block_logits(self.cache, bonus, n, untrained_ok=untrained_ok)
-
-    def boundary(self, spine: torch.Tensor, slot: int, out: torch.Tensor, project: bool) -> None:
-        """Boundary logits (or the branches' hidden states) of `spine` [B, k <= d+1] into ring slot `out` (its
-        branches 0..k-1)."""
-        self.drafter.boundary_logits(self.cache, spine, out=out, project=project, d=out.shape[2])
-
-    def reset_row(self, b: int, features: torch.Tensor) -> None:
-        """Row b of the context: emptied, then `features` [T, F] (a request joining a serving decode)."""
-        _reset_row(self.drafter, self.cache, b, features)
-
-    def grow(self, batch: int) -> None:
-        """`batch` rows from now on: the cache is copied into a larger one, the new rows empty."""
-        self.cache = _grown(self.drafter, self.cache, batch)
-
-    def settle(self) -> list[tuple[str, int, int]]:
-        """Wait for the calls still running (none here); their (phase, start_ns, end_ns) spans."""
-        return []
-
-    def shared_buffer(self, name: str, shape: tuple) -> torch.Tensor:
-        """A float32 buffer both sides of the context use: the Markov head's noise drawn ahead ("noise",
-        dpara_rt.host.noise_ahead). Here the drafter runs in this process: plain memory."""
-        return torch.empty(shape, dtype=torch.float32)
-
-
-class BranchSplit:
-    """Where the Markov head's columns of branch r's projection end and the worker's begin (a panel edge), for one
-    batch size of one worker. Each shared projection reports both sides' spans on the lanes' clock, and the split
-    moves toward the column where the head finishes just as the worker's reply arrives: the two sides start at
-    different times (the worker when verification posts its share, the head after settling the backbone) and run
-    at different speeds (the head right after a verify that streamed the target's weights, the worker on its own
-    cache), which a fixed share gets right on one host only (3/8 for the head on an AVX2 host, about half on an
-    AVX-512 one). The reply's delivery (the worker's send, this process waking from its wait) is part of the
-    worker's side. Where the split falls does not change the logits: every column gets the same FMA chain
-    whichever side computes it."""
-    SMOOTHING = 0.25  # of each projection's estimate: one round's spans are noisy
-
-    def __init__(self, vocab: int, batch: int, panel: int):
-        if not vocab > panel:
-            raise ValueError(f"BranchSplit: vocab {vocab} must exceed one panel ({panel} columns) to be shared")
-        self.vocab, self.panel = vocab, panel
-        # before any span: (4B - 1) / 8B of the columns for the head (3/8 at batch 1, about half at batch 16)
-        self._estimate = vocab * (4 * batch - 1) / (8 * batch)
-        self.columns = self._edge(self._estimate)
-        self.delivery_ns = 0.0  # from the worker's end to the head holding its reply, when the head waited
-
-    def _edge(self, cols: float) -> int:
-        """cols on a panel edge, leaving each side at least one panel."""
-        return min(max(self.panel, int(round(cols / self.panel)) * self.panel), self.vocab - self.panel)
-
-    def observe(self, head: tuple[int, int], worker: tuple[int, int], received_ns: int, columns: int) -> None:
-        """The spans (start_ns, end_ns) of the head's projection of columns [0, columns) and the worker's of the
-        rest, and when the head held the worker's reply. At its rate each side would be done with split c at
-        h0 + c hc and w0 + (V - c) wc + delivery; equal at c = (w0 - h0 + delivery + V wc) / (hc + wc)."""
-        (h0, h1), (w0, w1) = head, worker
-        s = self.SMOOTHING
-        if w1 > h1:  # the head was waiting when the worker finished: the reply's delivery shows
-            self.delivery_ns += s * (max(received_ns - w1, 0) - self.delivery_ns)
-        hc = max(h1 - h0, 1) / columns  # ns per column
-        wc = max(w1 - w0, 1) / (self.vocab - columns)
-        balanced = (w0 - h0 + self.delivery_ns + self.vocab * wc) / (hc + wc)
-        self._estimate += s * (min(max(balanced, 0.0), float(self.vocab)) - self._estimate)
-        self.columns = self._edge(self._estimate)
-
-
 class WorkerContext:
     """The same calls as LocalContext, made in a DrafterWorker, from one lane at a time. ``absorb``, ``boundary``
     and ``absorb_and_fill`` return at once: the caller neither waits nor holds the interpreter while the worker
     runs them, and ``settle`` waits for them, raising the first error; every other call waits for its result."""
-    remote = True
 
     def __init__(self, worker: "DrafterWorker", batch: int, max_len: int):
         self.worker = worker
@@ -157,7 +74,7 @@ class WorkerContext:
         """A decode's first draft (and a restart's): the worker writes the logits into the "block" scratch."""
         self._scratch("block", len(bonus) * n * self.worker.vocab * 4)  # float32 at most
         dtype, shape = self.worker.call("block_logits", bonus.tolist(), n, untrained_ok)
-        return _scratch_view(self.worker.scratch["block"][1], shape, dtype).clone()
+        return scratch_view(self.worker.scratch["block"][1], shape, dtype).clone()
 
     def _scratch(self, name: str, nbytes: int) -> torch.Tensor:
         """The worker's byte buffer `name` shared with this process (kept across decodes), grown to hold nbytes:
@@ -189,7 +106,7 @@ class WorkerContext:
         features = features.detach().to("cpu")
         raw = self._scratch("prompt", features.numel() * features.element_size())
         shape, dtype = tuple(features.shape), str(features.dtype).removeprefix("torch.")
-        _scratch_view(raw, shape, dtype).copy_(features)
+        scratch_view(raw, shape, dtype).copy_(features)
         return shape, dtype
 
     def boundary(self, spine: torch.Tensor | list[list[int]], slot: int, out: torch.Tensor | None, project: bool,
@@ -304,34 +221,9 @@ class WorkerContext:
         return spans
 
 
-def _reset_row(drafter, cache, b: int, features: torch.Tensor) -> None:
-    lengths = cache.lengths.clone()
-    lengths[b] = 0
-    drafter.crop(cache, lengths)
-    rows = torch.zeros(cache.batch, features.shape[0], features.shape[1], dtype=features.dtype, device=features.device)
-    rows[b] = features
-    n = torch.zeros(cache.batch, dtype=torch.long)
-    n[b] = features.shape[0]
-    drafter.extend_context(cache, rows.to(drafter.device), n)
-
-
-def _grown(drafter, cache, batch: int):
-    new = drafter.new_context_cache(batch, cache.max_len)
-    B = cache.batch
-    new.k[:, :B], new.v[:, :B] = cache.k, cache.v
-    new.lengths[:B] = cache.lengths
-    return new
-
-
 def _token_lists(ids: torch.Tensor | list[list[int]]) -> list[list[int]]:
     """Token ids [B, k] as the lists a call carries (Draft.spine_ids already gives them so)."""
     return ids if isinstance(ids, list) else ids.tolist()
 
 
-def _scratch_view(raw: torch.Tensor, shape: tuple, dtype: str) -> torch.Tensor:
-    """The first bytes of the byte tensor `raw` as a tensor of `shape` and `dtype` (a torch dtype's name)."""
-    dt = getattr(torch, dtype.removeprefix("torch."))
-    return raw[:math.prod(shape) * dt.itemsize].view(dt).view(shape)
-
-
-__all__ = ["BranchSplit", "LocalContext", "WORKER_MODES", "WorkerContext"]
+__all__ = ["WORKER_MODES", "WorkerContext"]

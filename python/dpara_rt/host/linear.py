@@ -160,3 +160,18 @@ class HostLinear(nn.Linear):
         rows = x.reshape(-1, k).contiguous()
         _core.host_linear(rows.data_ptr(), rows.shape[0], k, self._packed.data_ptr(), self._packed_dtype, n,
                           y.data_ptr())
+
+
+def project_columns(rows: Tensor, packed: tuple[Tensor, str], out: Tensor, col_begin: int = 0,
+                    col_end: int | None = None) -> None:
+    """Output columns [col_begin, col_end) of rows [..., K] through a packed weight [V, K] (``pack_weight``), into
+    those columns of out [..., V] (contiguous float32): the hidden ring's branch r, split between the Markov head
+    and a drafter worker. Every column gets the same FMA chain whichever range computes it."""
+    weight, fmt = packed
+    k, n = rows.shape[-1], out.shape[-1]
+    if not (rows.is_contiguous() and out.is_contiguous() and out.dtype == torch.float32
+            and rows.numel() // k == out.numel() // n):
+        raise ValueError(f"project_columns: rows {tuple(rows.shape)} and out {tuple(out.shape)} ({out.dtype}); expected "
+                         "contiguous tensors of the same rows, out float32")
+    _core.host_linear(rows.data_ptr(), rows.numel() // k, k, weight.data_ptr(), fmt, n, out.data_ptr(), col_begin,
+                      n if col_end is None else col_end)

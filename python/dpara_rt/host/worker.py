@@ -24,7 +24,8 @@ import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pic
 from dpara_rt import _core
 from dpara_rt._core import now_ns  # the lanes' timeline clock (steady), the same in every process
 from dpara_rt.core import branch_rows
-from dpara_rt.host.context import BranchSplit, _grown, _reset_row, _scratch_view
+from dpara_rt.drafting.device import grown_context, reset_context_row
+from dpara_rt.host.linear import project_columns
 from dpara_rt.host.native import gumbel_noise
 from dpara_rt.host.sharing import for_worker
 
@@ -63,7 +64,7 @@ class DrafterWorker:
         self._lock = threading.Lock()
         self._pending: list[str] = []  # ops posted and not yet answered, in order
         self._broken: str | None = None
-        self.splits: dict[tuple[int, int], BranchSplit] = {}  # WorkerContext.branch_split's, per (vocab, batch)
+        self.splits: dict = {}  # (vocab, batch) -> host.branch_split.BranchSplit  # WorkerContext.branch_split's, per (vocab, batch)
         self.scratch: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # WorkerContext._scratch's byte buffers
         self.shared: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # WorkerContext.shared_buffer's, kept mapped
         self.mapped: tuple | None = None  # the (staging, ring) the worker maps, kept alive here
@@ -227,11 +228,11 @@ class _Worker:
         self._slots = list(slots)
 
     def absorb_prompt(self, shape: tuple, dtype: str, keep: list[int]) -> None:
-        self.drafter.extend_context(self.cache, _scratch_view(self._scratch["prompt"], shape, dtype),
+        self.drafter.extend_context(self.cache, scratch_view(self._scratch["prompt"], shape, dtype),
                                     torch.tensor(keep))
 
     def absorb_staged(self, phase: int, shape: tuple, dtype: str, keep: list[int]) -> None:
-        self.drafter.extend_context(self.cache, _scratch_view(self._features[phase], shape, dtype),
+        self.drafter.extend_context(self.cache, scratch_view(self._features[phase], shape, dtype),
                                     torch.tensor(keep))
 
     def absorb_and_fill(self, phase: int, shape: tuple, dtype: str, keep: list[int], spine: list[list[int]],
@@ -246,7 +247,7 @@ class _Worker:
         # A decode's first draft and restarts only, not every round.
         logits = self.drafter.block_logits(self.cache, torch.tensor(bonus), n, untrained_ok=untrained_ok)
         shape, dtype = tuple(logits.shape), str(logits.dtype).removeprefix("torch.")
-        _scratch_view(self._scratch["block"], shape, dtype).copy_(logits)
+        scratch_view(self._scratch["block"], shape, dtype).copy_(logits)
         return dtype, shape
 
     def boundary(self, spine: list[list[int]], slot: int, project: bool, noise: tuple | None) -> None:
@@ -280,16 +281,14 @@ class _Worker:
             if self._head is None:
                 raise RuntimeError("the worker's drafter has no packed host output head to project branch r with (a "
                                    "float32 host drafter with the native core expected)")
-        packed, dtype = self._head
-        _core.host_linear(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], packed.data_ptr(), dtype,
-                          out.shape[-1], out.data_ptr(), col_begin)
+        project_columns(rows, self._head, out, col_begin)
 
     def map_shared(self, name: str, shape: tuple, conn) -> None:
         self._shared_maps[name] = _map(reduction.recv_handle(conn), 4 * math.prod(shape))
         self._shared[name] = torch.frombuffer(self._shared_maps[name], dtype=torch.float32).view(shape)
 
     def reset_row(self, b: int, shape: tuple, dtype: str) -> None:
-        _reset_row(self.drafter, self.cache, b, _scratch_view(self._scratch["prompt"], shape, dtype))
+        reset_context_row(self.drafter, self.cache, b, scratch_view(self._scratch["prompt"], shape, dtype))
 
     def map_scratch(self, name: str, size: int, conn) -> None:
         mapping = _map(reduction.recv_handle(conn), size)
@@ -297,7 +296,13 @@ class _Worker:
         self._scratch_maps[name] = mapping  # the tensor aliases it
 
     def grow(self, batch: int) -> None:
-        self.cache = _grown(self.drafter, self.cache, batch)
+        self.cache = grown_context(self.drafter, self.cache, batch)
+
+
+def scratch_view(raw: torch.Tensor, shape: tuple, dtype: str) -> torch.Tensor:
+    """The first bytes of the byte tensor `raw` as a tensor of `shape` and `dtype` (a torch dtype's name)."""
+    dt = getattr(torch, dtype.removeprefix("torch."))
+    return raw[:math.prod(shape) * dt.itemsize].view(dt).view(shape)
 
 
 def _map(fd: int, nbytes: int) -> mmap.mmap:

@@ -18,7 +18,7 @@ class Method:
     needs_drafter: bool
     parallel: bool       # drafts while the target verifies: both lanes busy at once
     markov: bool = True  # drafts through the drafter's Markov head (if it has one)
-    worker: bool = False  # its drafter lane can run in a worker process (dpara_rt.host.context)
+    worker: bool = False  # its drafting may run in a worker process (the host backend's, on CPU hosts)
 
 
 METHODS = {

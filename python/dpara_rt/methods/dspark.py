@@ -7,7 +7,7 @@ from dpara_rt.round.decoder import Decoder, Draft, Outcome
 
 def run(dec: Decoder, first: Outcome):
     def draft(prev: Outcome):  # drafter lane
-        nxt = dec.send(prev, *dec.draft_serial(prev))
+        nxt = dec.send(prev, *dec.drafting.draft_serial(prev))
         dec.post(dec.target_lane, "verify", lambda: verify(nxt))
 
     def verify(nxt: Draft):  # target lane
@@ -16,7 +16,7 @@ def run(dec: Decoder, first: Outcome):
             after(out)
 
     def after(prev: Outcome):  # the accepted tokens' features reach the drafter before it drafts again
-        dec.post(dec.drafter_lane, "context", lambda: dec.absorb(prev))
+        dec.post(dec.drafter_lane, "context", lambda: dec.drafting.absorb(prev))
         dec.post(dec.drafter_lane, "serial_draft", lambda: draft(prev))
 
     after(first)

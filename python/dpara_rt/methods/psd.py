@@ -49,16 +49,15 @@ def prepare(dec: Decoder, spine: Tensor, draft: Tensor, q_all: Tensor) -> list[t
     for (r, b) stands behind the feature-less spine s_0..s_r (the target is computing its features now)."""
     out = []
     for r, b in guesses(dec, draft, q_all, dec.opts.psd_policy, dec.opts.ssd_fanout):
-        logits = dec.drafter.block_logits(dec.context.cache, b, dec.d + 1, prefix=spine, prefix_seen=r + 1,
-                                           untrained_ok=True)
-        g_draft, g_q = dec.markov(logits[:, None], torch.zeros_like(b), b)
+        logits = dec.drafting.context.block_logits(b, dec.d + 1, untrained_ok=True, prefix=spine, prefix_seen=r + 1)
+        g_draft, g_q = dec.drafting.markov(logits[:, None], torch.zeros_like(b), b)
         out.append((r, b, g_draft, g_q, draft_probs(dec, logits, b, g_draft)))
     return out
 
 
 def serial(dec: Decoder, prev: Outcome):
     """Serial (d+1)-token draft: the extra token is the drafter's guess of the bonus after t_d."""
-    draft, q, logits = dec.draft_serial(prev, dec.d + 1, with_logits=True)
+    draft, q, logits = dec.drafting.draft_serial(prev, dec.d + 1, with_logits=True)
     return draft, q, draft_probs(dec, logits, prev.bonus, draft)
 
 
@@ -91,7 +90,7 @@ def run(dec: Decoder, first: Outcome):
     def verify(nxt: Draft, prepared: dict):  # target lane
         out = dec.verify_and_accept(nxt)
         if not out.finished:
-            dec.post(dec.drafter_lane, "context", lambda: dec.absorb(out))
+            dec.post(dec.drafter_lane, "context", lambda: dec.drafting.absorb(out))
             dec.post(dec.drafter_lane, "resolve", lambda: next_round(prepared, out))
 
     def next_round(prepared: dict, out: Outcome):  # drafter lane, after the guesses and the context update
@@ -101,5 +100,5 @@ def run(dec: Decoder, first: Outcome):
             nxt = dec.chain.timed("serial_draft", dec.drafter_lane, lambda: serial(dec, out))()
         launch(out, *nxt)
 
-    dec.post(dec.drafter_lane, "context", lambda: dec.absorb(first))
+    dec.post(dec.drafter_lane, "context", lambda: dec.drafting.absorb(first))
     dec.post(dec.drafter_lane, "serial_draft", lambda: launch(first, *serial(dec, first)))

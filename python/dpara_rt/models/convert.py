@@ -163,10 +163,10 @@ def read_source(path, with_weights: bool = False):
     kind, config, raw = source_config(path)
     if not with_weights:
         return config, None, {}
-    from dpara_rt.models.loader import _read_tensors, _weight_files
+    from dpara_rt.models.loader import read_tensors, weight_files
 
-    files = _weight_files(Path(path))
-    tensors = _read_tensors(files, None, "cpu")
+    files = weight_files(Path(path))
+    tensors = read_tensors(files, None, "cpu")
     state, own, dropped = {}, {}, []
     for name, t in tensors.items():
         try:

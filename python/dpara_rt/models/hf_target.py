@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
-from dpara_rt.models.loader import CheckpointError, _generation_eos, load_qwen3, resolve_device, resolve_dtype
+from dpara_rt.models.loader import CheckpointError, generation_eos, load_qwen3, resolve_device, resolve_dtype
 from dpara_rt.models.qwen3 import MODEL_TYPE as QWEN3, Qwen3Config
 from dpara_rt.models.target import Target, TargetBase
 
@@ -308,7 +308,7 @@ def load_target(path, device="cpu", dtype=None, native: bool = True):
     hf = hf.to(device).eval().requires_grad_(False)
     model = HFCausalLM(hf)
     model.config.eos_token_id = sorted(set(model.config.eos_token_id) | {
-        e for e in _generation_eos(root / "generation_config.json") if 0 <= e < model.config.vocab_size})
+        e for e in generation_eos(root / "generation_config.json") if 0 <= e < model.config.vocab_size})
     return model
 
 

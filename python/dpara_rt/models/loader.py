@@ -43,7 +43,7 @@ def resolve_device(device) -> torch.device:
     return device
 
 
-def _weight_files(root: Path) -> dict[str, Path]:
+def weight_files(root: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file holding it (from the index when sharded)."""
     index = root / INDEX_FILE
     if index.is_file():
@@ -72,7 +72,7 @@ def _weight_files(root: Path) -> dict[str, Path]:
         raise CheckpointError(f"cannot read safetensors file {str(found[0])!r}: {e}") from None
 
 
-def _read_tensors(files: dict[str, Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def read_tensors(files: dict[str, Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
         by_file.setdefault(f, []).append(name)
@@ -107,7 +107,7 @@ def load_qwen3(path, dtype=torch.float32, device="cpu") -> Qwen3ForCausalLM:
         raise CheckpointError(f"checkpoint path {str(root)!r} is not a directory; expected a Hugging Face model dir")
     dtype, device = resolve_dtype(dtype), resolve_device(device)
     config = Qwen3Config.from_json(root / "config.json")
-    tensors = _read_tensors(_weight_files(root), dtype, device)
+    tensors = read_tensors(weight_files(root), dtype, device)
     model = Qwen3ForCausalLM(config, device="meta", dtype=dtype)  # no allocation until the weights arrive
     expected = {_hf_name(k): v for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
@@ -133,12 +133,12 @@ def load_qwen3(path, dtype=torch.float32, device="cpu") -> Qwen3ForCausalLM:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_rope()
-    eos = _generation_eos(root / "generation_config.json")
+    eos = generation_eos(root / "generation_config.json")
     config.eos_token_id = sorted(set(config.eos_token_id) | {e for e in eos if 0 <= e < config.vocab_size})
     return model.eval()
 
 
-def _generation_eos(path: Path) -> list[int]:
+def generation_eos(path: Path) -> list[int]:
     """EOS ids from generation_config.json, which often lists more stop tokens than config.json."""
     if not path.is_file():
         return []

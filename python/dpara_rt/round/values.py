@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from dpara_rt import _core
-from dpara_rt.host.noise_ahead import PendingQ
 
 
 @dataclass(frozen=True)
@@ -25,8 +24,10 @@ class Draft:
     bonus: Tensor            # [B] long, host: s_0, the last round's bonus
     tokens: Tensor | None    # [B, d] long on the drafter's device: t_1..t_d (None: an AR round)
     staged: Tensor | None    # the same tokens in staging, int32 [B, d]: what the target lane reads
-    q: Tensor | PendingQ | None  # the drafter's distributions [B, d, V] when sampling (PendingQ: the worker's)
+    q: object                # the drafter's distributions [B, d, V] when sampling, as the drafting backend
+    #                          hands them (DraftingBackend.resolve_q gives the tensor); None when greedy
     ready: _core.Event       # drafter lane, after the tokens and q were written
+    slot: int = -1           # the ring slot filled with this draft's boundary logits beside its verify (DPara)
 
     def spine(self, device) -> Tensor:
         """[b, t1..td] on `device`, for the drafter's own use (no staging round trip); [b] alone for an AR round."""
@@ -47,6 +48,7 @@ class Verified:
     rounds and AR carry (r, bonus) as lossless verification drew them."""
     block: Tensor                # [B, 1+d] long, host
     features: Tensor             # [B, 1+d, F], staged for the drafter (the target's own tensor without one)
+    slot: int                    # the draft's ring slot (-1: none)
     argmax: Tensor | None = None
     r: Tensor | None = None
     bonus: Tensor | None = None
@@ -63,6 +65,7 @@ class Outcome:
     keep: Tensor              # [B] long: rows of `features` the drafter absorbs (r+1 for running requests)
     running: Tensor           # [B] bool, after this round
     ready: _core.Event        # target lane, after features and (r, bonus) were staged
+    slot: int = -1            # the ring slot holding this round's boundary logits (DPara; -1: none)
     pause: bool = False       # continuous batching: the chain stops here so that waiting requests join
     any_running: bool | None = None  # running.any(), where the caller knows it (None: computed when asked)
 

@@ -109,7 +109,7 @@ class Slots:
         first = dec.pick_row(b, logits)
         dec.state.admit(b, len(req.prompt), first, req.max_new_tokens, list(req.stop_ids))
         if dec.drafter is not None:
-            dec.chain.run_now(dec.drafter_lane, "context", lambda: dec.context.reset_row(b, feats))
+            dec.chain.run_now(dec.drafter_lane, "context", lambda: dec.drafting.reset_row(b, feats))
         return first
 
 

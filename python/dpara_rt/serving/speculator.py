@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from dpara_rt import _core, ops
-from dpara_rt.core import slot_tensor
+from dpara_rt.core import branch_rows, slot_tensor
+from dpara_rt.drafting.device import markov_rows
 from dpara_rt.round.lanes import Lane
 from dpara_rt.round.decoder import is_int
 from dpara_rt.models.drafter import ContextCache, Drafter
@@ -143,7 +144,7 @@ class Speculator:
         self.metrics = _core.Metrics(d)  # the lane's timeline (add_event) and tau (record_round)
         self.jobs: collections.deque[LaneJob] = collections.deque(maxlen=4096)
         self.cache = drafter.new_context_cache(max_requests, max_len)
-        self._w1, self._w2 = (w.to(dev) for w in drafter.markov_factors(markov))
+        self._head = drafter.markov_head(markov)  # the Decoder's head: factors converted (on the host bound) once
         self.ring = self._slots = None
         if mode == "dpara":
             self.ring = _core.BoundaryRing(ring_capacity, max_requests, d, c.vocab_size,
@@ -408,8 +409,7 @@ class Speculator:
             self.ring.select(slot, r_full, lane=lane.core)  # after the backbone's ready event
             try:
                 buf = self._slots[slot]
-                rows = torch.tensor(slots, device=buf.device)
-                branch = buf[rows, torch.tensor(r, device=buf.device)]  # [B, d, V]: branch r of each request
+                branch = branch_rows(buf[torch.tensor(slots, device=buf.device)], r)  # [B, d, V]: branch r of each
                 return self._markov(branch, bonus_t, head)
             finally:
                 self.ring.release(slot, lane.record())
@@ -431,17 +431,10 @@ class Speculator:
         boundary = logits[:, None].contiguous()  # [B, 1, d, V]
         zeros = torch.zeros(len(head), dtype=torch.long)
         if all(t == 0 for t, _, _ in head):
-            tokens, q = ops.markov_head(boundary, zeros, bonus, self._w1, self._w2, 0.0, 0, 0)
-            return tokens, q, self._lane_event()
-        tokens, qs = [], []
-        for b, (temp, seed, offset) in enumerate(head):
-            tok, q = ops.markov_head(boundary[b:b + 1], zeros[b:b + 1], bonus[b:b + 1], self._w1, self._w2,
-                                     temp, seed, offset)
-            if q is None:
-                q = torch.nn.functional.one_hot(tok, logits.shape[-1]).float()
-            tokens.append(tok)
-            qs.append(q)
-        return torch.cat(tokens), torch.cat(qs), self._lane_event()
+            tokens, q = self._head(boundary, zeros, bonus, 0.0, 0, 0)
+        else:
+            tokens, q = markov_rows(self._head, boundary, zeros, bonus, head, sampling=True)
+        return tokens, q, self._lane_event()
 
     def _lane_event(self):
         """On CUDA, an event after what the lane's stream has queued so far (the host's stream waits for it
