@@ -17,6 +17,7 @@ from dpara_rt.methods import VARIANTS, variant
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.drafter import Drafter
 from dpara_rt.models.target import Target
+from dpara_rt.host.linear import native_target
 from dpara_rt.round.reference import reference_decode
 from dpara_rt.tools.compare import load_pair
 
@@ -41,12 +42,14 @@ def pair():
 def reference(target, drafter, prompt, d, method, eos):
     # One intra-op thread: the reference's products of a few dozen rows gain nothing from a second one, and on a
     # busy host the threads' barriers made each forward several times slower.
-    threads = torch.get_num_threads()
+    # The torch path (HostLinear on F.linear): the oracle shares no kernel with the engine's native host paths.
+    threads, native = torch.get_num_threads(), native_target(False)
     torch.set_num_threads(1)
     try:
         return reference_decode(target, drafter, prompt, MAX_NEW, d, method, eos)
     finally:
         torch.set_num_threads(threads)
+        native_target(native)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The reference round: one prompt decoded greedily in plain torch, one round at a time (docs/design.md §1).
 
-No KV cache, lanes, ring or native kernels: each round runs the target over the whole sequence and the drafter's
-torch path (fc, backbone, output head) over every target feature known so far. Slow on purpose, and meant to be
+No KV cache, lanes or ring: each round runs the target over the whole sequence and the drafter's forward (fc,
+backbone, output head) over every target feature known so far (the models pick their own kernels; the tests run
+them on the torch path). Slow on purpose, and meant to be
 read: AR, DSpark's serial draft and DPara's spine + branches tree side by side. tests/test_reference_round.py uses
 it as the oracle that the engine's methods must match, token for token and round for round.
 """
@@ -12,7 +13,6 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dpara_rt.host.linear import native_target
 from dpara_rt.models.drafter import MASK_ID, serial_layout, tree_layout
 
 METHODS = ("ar", "dspark", "dpara")
@@ -51,12 +51,8 @@ def reference_decode(target_model, drafter, prompt: list[int], max_new_tokens: i
     if drafter is None and method != "ar":
         raise ValueError(f"method {method!r} drafts: it needs a drafter")
     model = getattr(target_model, "model", target_model)
-    before = native_target(False)  # HostLinear on F.linear: the torch path, on the host too
-    try:
-        with torch.inference_mode():
-            return _decode(model, drafter, list(prompt), max_new_tokens, d, method, set(eos_ids))
-    finally:
-        native_target(before)
+    with torch.inference_mode():
+        return _decode(model, drafter, list(prompt), max_new_tokens, d, method, set(eos_ids))
 
 
 def _decode(model, drafter, prompt, max_new_tokens, d, method, eos):
