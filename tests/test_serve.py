@@ -307,6 +307,42 @@ def test_a_burst_of_malformed_requests_leaves_the_server_serving(server, client)
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def _huge_chunks(total: int, piece: int = 1 << 16):
+    """A JSON body of `total` bytes sent chunked, without a content-length."""
+    yield b'{"prompt": "'
+    for _ in range(total // piece):
+        yield b"x" * piece
+    yield b'"}'
+
+
+HOSTILE = {  # name: (body, or None for a chunked one over the limit; status; code or param)
+    "nested 100000 deep": (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
+    "nested objects": (b'{"prompt": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_001, 400, "invalid_json"),
+    "nested under the parser's limit": (b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}", 400, "invalid_json"),
+    "nested in messages": (b'{"messages": [{"role": "user", "content": [' + b"[" * 500 + b"]" * 500 + b"]}]}", 400,
+                           "invalid_json"),
+    "over 1 MiB with a length": (b'{"prompt": "' + b"x" * ((1 << 20) + 1) + b'"}', 413, "request_too_large"),
+    "over 1 MiB chunked": (None, 413, "request_too_large"),
+    "not UTF-8": (b'{"model": "tiny", "prompt": "\xff\xfe\xfa"}', 400, "invalid_json"),
+    "Latin-1": ('{"model": "tiny", "prompt": "caf\u00e9"}'.encode("latin-1"), 400, "invalid_json"),
+    "a lone surrogate": (b'{"model": "tiny", "prompt": "\\ud800 x"}', 400, "invalid_json"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_body_is_a_4xx_and_the_server_keeps_serving(server, client, name):
+    content, status, code = HOSTILE[name]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = _huge_chunks(2 << 20) if content is None else content
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == status, (name, path, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"]
+        assert code in (err["code"], err["param"]), (name, path, err)
+    r = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0)  # still serving
+    assert r.usage.completion_tokens >= 1
+
+
 # ------------------------------------------------------------------------------------------ disconnects
 def _wait(pred, timeout=30.0):
     end = time.monotonic() + timeout

@@ -33,8 +33,34 @@ from dpara_rt.serving.server.protocol import (APIError, Params, bad, check_model
 DEFAULT_MAX_TOKENS = 16          # /v1/completions' default, as OpenAI's
 DEFAULT_CHAT_MAX_TOKENS = 256    # /v1/chat/completions: this, clipped to the context left
 MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64              # far past any API request; deeper values would recurse in validation and messages
 POLL_S = 0.25                    # how often a waiting request checks that its client is still there
 _GONE = object()
+
+
+def check_json_value(body) -> None:
+    """400 for a parsed body nested deeper than MAX_JSON_DEPTH or holding a string that is not valid Unicode (a
+    lone surrogate escape, which no tokenizer takes): walked with a stack, never recursing."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"the JSON body of your request holds a string with {value[e.start:e.end]!a} ({e.reason}); "
+                          "expected valid Unicode text", code="invalid_json") from None
+            continue
+        if isinstance(value, dict):
+            items = [*value, *value.values()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"the JSON body of your request is nested deeper than {MAX_JSON_DEPTH} levels; expected at "
+                      f"most {MAX_JSON_DEPTH}", code="invalid_json")
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (str, list, dict)))
 
 
 class ServerState:
@@ -261,16 +287,23 @@ def create_app(scheduler, tokenizer, model_name: str = "dpara-rt", *, max_model_
         if size is not None and size.isdigit() and int(size) > state.max_body_bytes:
             raise APIError(413, f"request body of {size} bytes exceeds {state.max_body_bytes}",
                            code="request_too_large")
-        raw = await request.body()
-        if len(raw) > state.max_body_bytes:
-            raise APIError(413, f"request body of {len(raw)} bytes exceeds {state.max_body_bytes}",
-                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a body sent without a length stops at the limit, not in memory
+            size += len(chunk)
+            if size > state.max_body_bytes:
+                raise APIError(413, f"request body of more than {state.max_body_bytes} bytes; expected at most "
+                               f"{state.max_body_bytes}", code="request_too_large")
+            chunks.append(chunk)
         try:
-            body = json.loads(raw)
+            body = json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise bad(f"the JSON body of your request is nested too deeply; expected at most {MAX_JSON_DEPTH} "
+                      "levels", code="invalid_json") from None
         if not isinstance(body, dict):
             raise bad(f"the request body is a JSON {type(body).__name__}; expected an object", code="invalid_json")
+        check_json_value(body)
         return body
 
     @app.get("/health")
