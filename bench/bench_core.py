@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from dpara_rt.core import BoundaryRing, RefRing, RefRoundState, RoundState
+from dpara_rt.testing import RefRing, RefRoundState
+from dpara_rt.core import BoundaryRing, RoundState
 
 VOCAB = 32  # the ring's memory is never touched by bookkeeping; a small vocab keeps allocation cheap
 POOL = 64   # distinct pre-generated rounds, cycled

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dpara_rt import _core, build_info
-from dpara_rt.core import (BoundaryRing, HostLane, RefRing, Staging, ring_tensor, slot_tensor, stage_in, stage_out,
+from dpara_rt.testing import RefRing
+from dpara_rt.core import (BoundaryRing, HostLane, Staging, ring_tensor, slot_tensor, stage_in, stage_out,
                            staging_tensor)
 
 

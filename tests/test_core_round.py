@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dpara_rt._core import MAX_DRAFT
-from dpara_rt.core import (BoundaryRing, Metrics, RefRoundState, RoundState, Staging, greedy_accept, span,
+from dpara_rt.testing import RefRoundState
+from dpara_rt.core import (BoundaryRing, Metrics, RoundState, Staging, greedy_accept, span,
                             tree_mask, tree_metadata)
 
 
