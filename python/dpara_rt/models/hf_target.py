@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
+from dpara_rt.models.config_check import check_config
 from dpara_rt.models.loader import CheckpointError, generation_eos, load_qwen3, resolve_device, resolve_dtype
 from dpara_rt.models.qwen3 import MODEL_TYPE as QWEN3, Qwen3Config
 from dpara_rt.models.target import Target, TargetBase
@@ -287,7 +288,7 @@ def load_target(path, device="cpu", dtype=None, native: bool = True):
     checkpoint's dtype (float32 when it names none). `native=False` loads a Qwen3 through transformers too;
     a Qwen3 config that the native model does not support (say, scaled RoPE) also goes through transformers."""
     root = Path(path)
-    d = _read_config(root)
+    d = check_config(_read_config(root), root / "config.json")  # before either loader reads a field
     dtype = _checkpoint_dtype(d) if dtype is None else resolve_dtype(dtype)
     device = resolve_device(device)
     if native and d.get("model_type") == QWEN3:

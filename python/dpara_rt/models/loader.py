@@ -8,6 +8,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dpara_rt.models.config_check import check_eos
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,10 +144,12 @@ def generation_eos(path: Path) -> list[int]:
     if not path.is_file():
         return []
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as e:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
         raise CheckpointError(f"{str(path)!r} is not a JSON object: {e}") from None
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{str(path)!r} holds a JSON {type(d).__name__}; expected an object")
+    return check_eos(d, path)
 
 
 def save_qwen3(model: Qwen3ForCausalLM, path, max_shard_bytes: int | None = None):

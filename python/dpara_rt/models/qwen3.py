@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
+from dpara_rt.models.config_check import FIELDS, check_config, check_value
 from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.host.linear import HostLinear
 from dpara_rt.models.kv_cache import KVCache
@@ -40,20 +41,16 @@ class Qwen3Config:
     eos_token_id: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Qwen3Config.{name} = {value!r}; expected a positive integer")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                     "tie_word_embeddings", "eos_token_id"):
+            check_value("Qwen3Config", name, getattr(self, name), FIELDS[name][0])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"Qwen3Config: num_attention_heads = {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads = {self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"Qwen3Config.head_dim = {self.head_dim}; RoPE needs an even head_dim")
-        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-            raise ValueError(f"Qwen3Config: rope_theta = {self.rope_theta!r} and rms_norm_eps = "
-                             f"{self.rms_norm_eps!r} must both be positive")
         bad = [e for e in self.eos_token_id if not 0 <= e < self.vocab_size]
         if bad:
             raise ValueError(f"Qwen3Config.eos_token_id contains {bad}; expected ids in [0, {self.vocab_size})")
@@ -64,7 +61,10 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Qwen3Config":
-        """Parse a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+        """Parse a Hugging Face config.json dict (transformers 4.x and 5.x spellings); a null field is an absent
+        one."""
+        check_config(d)
+        d = {k: v for k, v in d.items() if v is not None}
         model_type = d.get("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:
             raise ValueError(f"config model_type = {model_type!r}; expected {MODEL_TYPE!r}")
@@ -82,7 +82,8 @@ class Qwen3Config:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"config rope_type = {rope_type!r}; only 'default' RoPE is supported")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        theta = rope.get("rope_theta")
+        theta = d.get("rope_theta", 10000.0) if theta is None else theta
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
@@ -105,7 +106,7 @@ class Qwen3Config:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; expected a Hugging Face config.json")
-        d = read_json_object(path, "config file")
+        d = check_config(read_json_object(path, "config file"), path)
         try:
             return cls.from_dict(d)
         except ValueError as e:

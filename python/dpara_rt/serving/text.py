@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from dpara_rt.jsonfile import read_json_object
+from dpara_rt.models.config_check import check_eos
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -70,9 +71,9 @@ def model_eos_ids(model_dir) -> list[int]:
         f = root / name
         if f.is_file():
             blob = _read_json(f)
-            out.update(_ids(blob.get("eos_token_id")))
+            out.update(check_eos(blob, f))
             if isinstance(blob.get("text_config"), dict):
-                out.update(_ids(blob["text_config"].get("eos_token_id")))
+                out.update(check_eos(blob["text_config"], f, "text_config.eos_token_id"))
     return sorted(out)
 
 

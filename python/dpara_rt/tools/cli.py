@@ -242,6 +242,8 @@ def _target_config(path) -> dict:
         raise CliError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise CliError(f"{file} holds a JSON {type(d).__name__}; expected an object")
+    from dpara_rt.models.config_check import check_config
+    check_config(d, file)
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
     out = {"model_type": d.get("model_type", text.get("model_type", "?"))}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
