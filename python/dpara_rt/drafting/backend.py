@@ -60,6 +60,12 @@ class DraftingBackend:
         anchor, then the Markov head. (draft [B, n], q [B, n, V] or None), plus the backbone's logits if asked."""
         raise NotImplementedError
 
+    def block_logits(self, bonus: Tensor, n: int, prefix: Tensor | None = None,
+                     prefix_seen: Tensor | None = None) -> Tensor:
+        """Drafter lane: a serial block's logits [B, n, V] after the context, anchored at bonus [B]; PSD's guesses
+        put a feature-less spine prefix [B, k] before it, of which row b sees prefix_seen[b] entries."""
+        raise NotImplementedError
+
     def start_boundary(self, prev: Outcome | None, draft: Draft) -> None:
         """Head lane, in the link that sends `draft`: absorb what `prev` accepted (None: nothing new), then fill ring
         slot ``draft.slot`` with the boundary logits of every outcome of `draft`, beside its verification."""

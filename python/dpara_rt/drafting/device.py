@@ -27,9 +27,11 @@ class LocalContext:
         """Append the first keep[b] rows of features [B, T, F] to row b of the context."""
         self.drafter.extend_context(self.cache, features.to(self.drafter.device, non_blocking=True), keep)
 
-    def block_logits(self, bonus: Tensor, n: int, untrained_ok: bool, **prefix) -> Tensor:
-        """A serial block's logits [B, n, V] (``prefix`` / ``prefix_seen``: PSD's feature-less spine before it)."""
-        return self.drafter.block_logits(self.cache, bonus, n, untrained_ok=untrained_ok, **prefix)
+    def block_logits(self, bonus: Tensor, n: int, untrained_ok: bool, prefix: Tensor | None = None,
+                     prefix_seen: Tensor | None = None) -> Tensor:
+        """A serial block's logits [B, n, V] (`prefix` / `prefix_seen`: PSD's feature-less spine before it)."""
+        return self.drafter.block_logits(self.cache, bonus, n, prefix=prefix, prefix_seen=prefix_seen,
+                                         untrained_ok=untrained_ok)
 
     def boundary(self, spine: Tensor, slot: int, out: Tensor, project: bool) -> None:
         """Boundary logits (or the branches' hidden states) of `spine` [B, k <= d+1] into ring slot `out` (its
@@ -144,6 +146,10 @@ class DeviceBackend(DraftingBackend):
         logits = self.context.block_logits(prev.bonus, n, untrained_ok=n > self.d)
         draft, q = self.markov(logits[:, None], self.first_row(len(prev.bonus)), prev.bonus)
         return (draft, q, logits) if with_logits else (draft, q)
+
+    def block_logits(self, bonus: Tensor, n: int, prefix: Tensor | None = None,
+                     prefix_seen: Tensor | None = None) -> Tensor:
+        return self.context.block_logits(bonus, n, untrained_ok=True, prefix=prefix, prefix_seen=prefix_seen)
 
     def start_boundary(self, prev: Outcome | None, draft: Draft) -> None:
         dec = self.dec

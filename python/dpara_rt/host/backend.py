@@ -109,6 +109,15 @@ class HostBackend(DeviceBackend):
         self._absorbed_ahead = out.phase if out.round > 0 else None  # settled with the next boundary
         return True
 
+    def block_logits(self, bonus: Tensor, n: int, prefix: Tensor | None = None,
+                     prefix_seen: Tensor | None = None) -> Tensor:
+        if self.worker is None:
+            return super().block_logits(bonus, n, prefix, prefix_seen)
+        if prefix is not None:
+            raise ValueError("a drafter worker drafts blocks without a spine prefix (PSD's guesses run their drafter "
+                             "in this process: Method.worker is False for psd)")
+        return self.context.block_logits(bonus, n, untrained_ok=True)
+
     # -------------------------------------------------------------- the backbone beside verification
     def start_boundary(self, prev: Outcome | None, draft: Draft) -> None:
         """With a worker, the absorb and the backbone go out as one message: no thread of this process runs drafting

@@ -49,7 +49,7 @@ def prepare(dec: Decoder, spine: Tensor, draft: Tensor, q_all: Tensor) -> list[t
     for (r, b) stands behind the feature-less spine s_0..s_r (the target is computing its features now)."""
     out = []
     for r, b in guesses(dec, draft, q_all, dec.opts.psd_policy, dec.opts.ssd_fanout):
-        logits = dec.drafting.context.block_logits(b, dec.d + 1, untrained_ok=True, prefix=spine, prefix_seen=r + 1)
+        logits = dec.drafting.block_logits(b, dec.d + 1, prefix=spine, prefix_seen=r + 1)
         g_draft, g_q = dec.drafting.markov(logits[:, None], torch.zeros_like(b), b)
         out.append((r, b, g_draft, g_q, draft_probs(dec, logits, b, g_draft)))
     return out

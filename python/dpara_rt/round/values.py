@@ -19,7 +19,7 @@ from dpara_rt import _core
 
 @dataclass(frozen=True)
 class Draft:
-    """A draft on its way to verification (drafter lane -> target lane)."""
+    """A draft on its way to verification (head lane -> target lane)."""
     round: int               # the round that verifies it
     bonus: Tensor            # [B] long, host: s_0, the last round's bonus
     tokens: Tensor | None    # [B, d] long on the drafter's device: t_1..t_d (None: an AR round)

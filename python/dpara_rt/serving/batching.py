@@ -6,8 +6,8 @@ when more requests wait than rows are free). Every row starts free;
 max_new_tokens and stop ids, and builds the outcome the method starts from: the running rows' last round
 (their features not yet absorbed) and the new rows' first tokens (their prompts absorbed here). The method's
 chain pauses at a round whose commit left a row free while requests wait (``should_pause``), so a join costs
-one chain restart: the next draft is serial for every row, as a decode's first round is (not a fallback:
-nothing was guessed), and a DPara backbone already under way for the paused round is dropped. A cancelled
+one chain restart: the next round starts as a decode's first does, for every row (DPara greedy: an AR step beside
+branch 0; otherwise a serial draft; not a fallback: nothing was guessed), and a DPara backbone already under way for the paused round is dropped. A cancelled
 request is retired at the next commit and its row is free from then on.
 """
 from __future__ import annotations
