@@ -184,8 +184,7 @@ def test_greedy_dpara_verifies_s0_alone_beside_branch_0_and_drafts_nothing_seria
     target, drafter = pair
     blocks, spines = [], []
     accept, boundary = Decoder.accept, Drafter.boundary_logits
-    monkeypatch.setattr(Decoder, "accept", lambda self, v, slot=-1: blocks.append(tuple(v.block.shape))
-                        or accept(self, v, slot))
+    monkeypatch.setattr(Decoder, "accept", lambda self, v: blocks.append(tuple(v.block.shape)) or accept(self, v))
     monkeypatch.setattr(Drafter, "boundary_logits", lambda self, cache, spine, *a, **k: spines.append(spine.shape[1])
                         or boundary(self, cache, spine, *a, **k))
     eng = Engine(target, drafter, d=4, drafter_worker="thread", **variant(name))
