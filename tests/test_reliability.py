@@ -1,9 +1,11 @@
 """What must never happen quietly: a native call reading freed memory when Engines share a drafter across threads
 (a drafter worker's start moves no storage another thread reads: dpara_rt.host.sharing), and a damaged target's
-NaN logits turned into tokens (every logit that becomes a token is checked, the prefill's included)."""
+NaN logits turned into tokens (every logit that becomes a token is checked, the prefill's included). Also: prompts
+given as integer tensors or arrays (transformers' input_ids) decode as lists do; other dtypes are one line."""
 import copy
 import threading
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -190,3 +192,53 @@ def test_the_reference_ar_loop_checks_every_step(pair, monkeypatch):
     with pytest.raises(FloatingPointError, match="^round 1: .*non-finite") as e:
         dec.step()
     _one_line_non_finite(e)
+
+
+# ------------------------------------------------------------------ prompts as tensors and arrays
+@pytest.fixture(scope="module")
+def ar_engine(pair):
+    return Engine(pair[0], None, method="ar")
+
+
+@pytest.mark.parametrize("make", [
+    lambda rows: torch.tensor(rows), lambda rows: torch.tensor(rows, dtype=torch.int32), lambda rows: np.array(rows),
+    lambda rows: np.array(rows, dtype=np.uint16), lambda rows: [torch.tensor(r) for r in rows],
+    lambda rows: [np.array(r) for r in rows]], ids=["tensor", "int32", "numpy", "uint16", "tensors", "arrays"])
+def test_prompts_as_integer_tensors_or_arrays_decode_as_lists(ar_engine, make):
+    rows = [[1, 5, 9], [2, 4, 6]]
+    want = ar_engine.generate(rows, 6).tokens
+    assert ar_engine.generate(make(rows), 6).tokens == want
+    assert ar_engine.generate(make(rows)[0], 6).tokens == want[:1]  # 1-D: one prompt
+    streamed = [[] for _ in rows]
+    for new in ar_engine.stream(make(rows), 6):
+        for out, t in zip(streamed, new):
+            out.extend(t)
+    assert streamed == want
+
+
+def test_a_drafting_method_takes_transformers_input_ids(pair, ar_tokens):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dspark")
+    assert eng.generate(torch.tensor(PROMPTS[0])[None], NEW).tokens == ar_tokens[:1]
+
+
+@pytest.mark.parametrize("prompts, says", [
+    (torch.tensor([[1.0, 2.0]]), "prompts is a tensor of dtype torch.float32; expected integer token ids"),
+    (torch.tensor([True, False]), "prompts is a tensor of dtype torch.bool; expected integer token ids"),
+    (np.array([[1.5, 2.0]]), "prompts is an array of dtype float64; expected integer token ids"),
+    (np.array([True]), "prompts is an array of dtype bool"),
+    (torch.zeros(2, 2, 2, dtype=torch.long), "prompts is a tensor of shape [2, 2, 2]; expected [T] (one prompt) or "
+                                             "[B, T] (a batch) with T >= 1"),
+    (torch.zeros(1, 0, dtype=torch.long), "shape [1, 0]"),
+    (torch.tensor(7), "shape []"),
+    ([torch.tensor([1.0])], "prompt 0 is a tensor of dtype torch.float32"),
+    ([torch.tensor([[1, 2]])], "prompt 0 is a tensor of shape [1, 2]; expected [T] with T >= 1"),
+    ([1, 2, 3], "prompt 0 = 1 (int); expected a list of token ids"),
+    (["abc"], "prompt 0 = 'abc' (str)"),
+    (torch.tensor([[1, 8192]]), "outside the vocabulary [0, 8192)"),
+])
+def test_other_prompt_dtypes_and_shapes_are_one_line(ar_engine, prompts, says):
+    with pytest.raises(ValueError) as e:
+        ar_engine.generate(prompts, 4)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert ar_engine.generate([[1, 2]], 2).tokens  # still usable

@@ -45,6 +45,7 @@ from dpara_rt.round.decoder import DecodeOptions, Decoder, is_int
 from dpara_rt.models.drafter_io import check_target_compatible
 from dpara_rt.models.hf_target import make_target
 from dpara_rt.round.stats import Stats, summarize
+from dpara_rt.token_ids import id_rows, is_id_array
 
 DRAFTING_BACKENDS = ("auto", "device", "host")
 MAX_BATCH = 16  # the default batch limit; serving derives one from memory (batch_for_memory)
@@ -137,12 +138,20 @@ class Engine:
         return dataclasses.replace(self.defaults, max_new_tokens=max_new_tokens, **given)
 
     def _prompts(self, prompts) -> list[list[int]]:
+        if is_id_array(prompts):  # transformers' input_ids: [T] is one prompt, [B, T] a batch
+            prompts = id_rows(prompts)
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts = {prompts!r}; expected a non-empty list of token-id lists")
+            raise ValueError(f"prompts = {prompts!r:.80}; expected a non-empty list of token-id lists, or an integer "
+                             "tensor or array [T] or [B, T]")
         if len(prompts) > self.target.max_batch:
             raise ValueError(f"batch of {len(prompts)} prompts exceeds max_batch {self.target.max_batch}")
         out = []
         for i, p in enumerate(prompts):
+            if is_id_array(p):
+                p = id_rows(p, f"prompt {i}", batch=False)[0]
+            elif isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+                raise ValueError(f"prompt {i} = {p!r:.40} ({type(p).__name__}); expected a list of token ids (one "
+                                 "prompt's flat list of ints goes in a list: [[1, 2, 3]])")
             p = list(p)  # read once: a prompt may be an iterator
             if all(type(t) is int for t in p):  # the usual case, checked at a fraction of is_int's cost a token
                 out.append(p)
@@ -341,9 +350,10 @@ class Engine:
         output alone whenever the batched forwards give its row the same logits as a batch of one. PSD's
         drafts depend on the batch (a guess miss in any row makes every row draft serially), so there a
         request's output follows the same law as alone but not the same draws."""
-        tokens = [[] for _ in prompts]
+        tokens = []
         overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         for new in self._stream(prompts, max_new_tokens, overrides, trace, hold=True):
+            tokens = tokens or [[] for _ in new]  # one list per request (a 1-D tensor is one prompt)
             for out, t in zip(tokens, new):
                 out.extend(t)
         return Output(tokens, self.last_stats)
