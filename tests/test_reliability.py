@@ -1,9 +1,11 @@
 """What must never happen quietly: a native call reading freed memory when Engines share a drafter across threads
 (a drafter worker's start moves no storage another thread reads: dpara_rt.host.sharing), and a damaged target's
 NaN logits turned into tokens (every logit that becomes a token is checked, the prefill's included). Also: prompts
-given as integer tensors or arrays (transformers' input_ids) decode as lists do; other dtypes are one line."""
+given as integer tensors or arrays (transformers' input_ids) decode as lists do; other dtypes are one line; and a
+draft length past the drafter's block size warns with every method."""
 import copy
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -15,9 +17,11 @@ from dpara_rt.host.sharing import for_worker, pickled_tensors
 from dpara_rt.host.worker import DrafterWorker
 from dpara_rt.methods import variant
 from dpara_rt.models.autoregressive import ARDecoder
+from dpara_rt.models.drafter import DrafterWarning
 from dpara_rt.models.hf_target import HFCausalLM, HFTarget
 from dpara_rt.models.target import Target
 from dpara_rt.tools.compare import load_pair
+from engine_pairs import predictable_pair
 
 PROMPTS = [[1, 5, 9, 13, 17], [2, 4, 6]]
 NEW = 12
@@ -242,3 +246,44 @@ def test_other_prompt_dtypes_and_shapes_are_one_line(ar_engine, prompts, says):
         ar_engine.generate(prompts, 4)
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert ar_engine.generate([[1, 2]], 2).tokens  # still usable
+
+
+# ------------------------------------------------------------------ a draft length past the trained block size
+DRAFTING = ["dspark", "dflash", "psd-pearl", "psd-ssd", "dpara", "dpara-single", "dpara-logits", "dpara-hidden",
+            "auto"]
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return predictable_pair()  # block_size 8
+
+
+@pytest.mark.parametrize("name", DRAFTING)
+def test_every_drafting_method_warns_once_for_d_past_the_block_size(small_pair, name):
+    target, drafter = small_pair
+    bs = drafter.config.block_size
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        eng = Engine(target, drafter, d=bs + 2, **variant(name))
+        try:
+            eng.generate([[5, 6, 7]], 2 * bs)
+        finally:
+            eng.close()
+    ours = [w for w in seen if issubclass(w.category, DrafterWarning)]
+    assert [str(w.message) for w in ours] == [f"draft length d={bs + 2} exceeds block_size={bs} the drafter was "
+                                              f"trained for: positions past {bs} are untrained (expect lower tau); "
+                                              "running anyway"]
+    assert ours[0].filename == __file__  # it points at the Engine(...) line
+
+
+@pytest.mark.parametrize("name", DRAFTING)
+def test_no_method_warns_for_d_within_the_block_size(small_pair, name):
+    target, drafter = small_pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DrafterWarning)
+        for d in (1, drafter.config.block_size):
+            eng = Engine(target, drafter, d=d, **variant(name))
+            try:
+                assert eng.generate([[5, 6, 7]], 12).tokens[0]
+            finally:
+                eng.close()

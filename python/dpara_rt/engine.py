@@ -112,6 +112,8 @@ class Engine:
         # the weights a drafter worker maps move into shared memory now, before any Engine decodes on them: a worker
         # started later (by any Engine over these models) moves nothing a native call in another thread reads
         sharing.bind(target, self.drafter)
+        if self.drafter is not None:  # every drafting method passes here, before any draft (a worker's go unseen)
+            self.drafter.warn_untrained(self.defaults.d, stacklevel=2)
         layer_ids = drafter.config.layer_ids if self.drafter is not None else ()
         self.fixed_max_len = max_len
         self.target = make_target(target, max_batch, max_len or _CACHE_GRANULE, layer_ids)

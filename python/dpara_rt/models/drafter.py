@@ -493,11 +493,19 @@ class Drafter(nn.Module):
         if not 1 <= d <= MAX_DRAFT - lead:  # unsafe: the kernels (tree attention, Markov head) stop at MAX_DRAFT
             raise ValueError(f"draft length d={d}: expected 1 <= d <= {MAX_DRAFT - lead} (the kernels' limit of "
                              f"{MAX_DRAFT} rows a block{', less the anchor row' if lead else ''})")
-        if d > self.config.block_size and not untrained_ok and d not in self._warned_d:
+        if not untrained_ok and d not in self._warned_d:
+            self.warn_untrained(d, stacklevel=3)
+
+    def warn_untrained(self, d: int, stacklevel: int = 1) -> None:
+        """The one rule for a draft length past the trained block size: a DrafterWarning, from every Engine built
+        with such a d (whatever its method) and from a direct call's first draft of that d; drafts of a d warned
+        about stay silent after (a worker process's copy of this drafter too). `stacklevel`: as warnings.warn's,
+        counted from the caller."""
+        if d > self.config.block_size:
             self._warned_d.add(d)
             warnings.warn(f"draft length d={d} exceeds block_size={self.config.block_size} the drafter was "
                           f"trained for: positions past {self.config.block_size} are untrained (expect lower "
-                          "tau); running anyway", DrafterWarning, stacklevel=3)
+                          "tau); running anyway", DrafterWarning, stacklevel=stacklevel + 1)
 
     def _rows_tokens(self, tokens: Tensor, batch: int, what: str) -> Tensor:
         if tokens.dim() != 2 or tokens.shape[0] != batch:
