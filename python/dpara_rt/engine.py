@@ -120,6 +120,7 @@ class Engine:
         parallel = method == AUTO or METHODS[method].parallel
         self.lanes = make_lanes(target.device, self.drafter.device if self.drafter is not None else target.device,
                                 placement, parallel, threads_per_lane)
+        self.placement = self.lanes[0].placement  # a split on one CUDA device runs colocated (make_lanes warns)
         self.auto_choices: dict[int, str] = {}   # batch size -> method, for method="auto"
         self._lock = threading.Lock()
         self._open: _Ticket | None = None        # the call holding the engine (its stream may be suspended)

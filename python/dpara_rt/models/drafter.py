@@ -7,6 +7,7 @@ the accepted tokens' features or is cropped on rollback, so the context is never
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
 from functools import lru_cache
@@ -310,6 +311,17 @@ class Drafter(nn.Module):
         if cached is None or cached[0] != key:
             cached = self.__dict__["_markov_head"] = (key, ops.markov_head_for(*self.markov_factors(enabled)))
         return cached[1]
+
+    def move_to(self, device) -> "Drafter":
+        """This drafter, in place, on `device`: its own weights moved, the target's embedding and output head copied
+        there (the target keeps its own). A no-op on the device it is on."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        self.to(device)
+        self._shared = tuple(copy.deepcopy(m).to(device).requires_grad_(False) for m in self._shared)
+        self.__dict__.pop("_markov_head", None)
+        return self
 
     # ------------------------------------------------------------ building blocks
     @property

@@ -6,6 +6,7 @@ CUDA it is a stream, and every job submitted to it runs with that stream current
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -16,6 +17,8 @@ PLACEMENTS = ("split", "colocated")
 
 
 class Lane:
+    placement = "split"  # what make_lanes placed the lane with (a split on one CUDA device runs colocated)
+
     def __init__(self, name: str, device: torch.device, cores: Sequence[int] | None, threads: int):
         self.name, self.device = name, device
         self.cores, self.threads = cores, threads
@@ -69,23 +72,51 @@ def _on_stream(stream, fn):
         fn()
 
 
+def parse_device(value, what: str = "device") -> torch.device:
+    """A device argument (``cpu``, ``cuda``, ``cuda:N`` or a torch.device) checked against this machine; ValueError
+    naming the value and what this machine takes."""
+    expected = "cpu" if not torch.cuda.is_available() else \
+        f"cpu, cuda or cuda:N with N < {torch.cuda.device_count()}"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} {value!r}; expected {expected}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} {value!r}; expected {expected}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"{what} {value!r}: this machine has {count} CUDA device(s); expected {expected}")
+    return device
+
+
 def make_lanes(target_device: torch.device, drafter_device: torch.device, placement: str, parallel: bool,
                threads: int) -> tuple[Lane, Lane]:
     """The target lane and the drafter lane. `parallel`: the method runs both lanes at once (on the CPU a
-    split placement then gives each lane its own cores; serial methods share them whatever the placement)."""
+    split placement then gives each lane its own cores; serial methods share them whatever the placement).
+    On CUDA a split with target and drafter on one device runs colocated (two streams of that device), with a
+    warning; the lanes' ``placement`` says which ran."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r}; expected one of {PLACEMENTS}")
+    target_device, drafter_device = torch.device(target_device), torch.device(drafter_device)
     if target_device.type != drafter_device.type:
         raise ValueError(f"target on {target_device} and drafter on {drafter_device}: both on CPU or both on CUDA")
     if target_device.type == "cuda":
+        if target_device.index is None:
+            target_device = torch.device("cuda", torch.cuda.current_device())
+        if drafter_device.index is None:
+            drafter_device = torch.device("cuda", torch.cuda.current_device())
         if placement == "split" and parallel and drafter_device == target_device:
-            raise ValueError(f"placement 'split' needs the drafter on another CUDA device than the target "
-                             f"({target_device}); found {torch.cuda.device_count()} device(s). Use placement "
-                             "'colocated' or move the drafter")
+            # one device holds both: the drafter's stream beside the target's is the split this machine has
+            warnings.warn(f"placement 'split' with target and drafter on {target_device} "
+                          f"({torch.cuda.device_count()} CUDA device(s)): running colocated, two streams of one "
+                          "device (put the drafter on another device to split)", RuntimeWarning, stacklevel=3)
+            placement = "colocated"
         if placement == "colocated" and drafter_device != target_device:
             raise ValueError(f"placement 'colocated' needs target and drafter on one device; got {target_device} "
                              f"and {drafter_device}")
-        return Lane("target", target_device, None, threads), Lane("drafter", drafter_device, None, threads)
+        return _placed(placement, Lane("target", target_device, None, threads),
+                       Lane("drafter", drafter_device, None, threads))
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     shared = placement == "colocated" or not parallel
     need = threads if shared else 2 * threads
@@ -94,4 +125,11 @@ def make_lanes(target_device: torch.device, drafter_device: torch.device, placem
                          f"cores; this process may use {len(cores)} ({cores})")
     t_cores = cores[:threads]
     d_cores = t_cores if shared else cores[threads:2 * threads]
-    return Lane("target", target_device, t_cores, threads), Lane("drafter", drafter_device, d_cores, threads)
+    return _placed(placement, Lane("target", target_device, t_cores, threads),
+                   Lane("drafter", drafter_device, d_cores, threads))
+
+
+def _placed(placement: str, *lanes: Lane) -> tuple[Lane, ...]:
+    for lane in lanes:
+        lane.placement = placement
+    return lanes

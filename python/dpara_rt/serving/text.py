@@ -393,12 +393,17 @@ class TextGenerator:
 
     @classmethod
     def load(cls, target_dir, drafter_dir=None, method: str = "dpara", device="cpu", dtype=None,
-             stop_ids: Iterable[int] = (), top_k: int | None = None, **engine_kwargs) -> "TextGenerator":
+             stop_ids: Iterable[int] = (), top_k: int | None = None, drafter_device=None,
+             **engine_kwargs) -> "TextGenerator":
         """Target (and drafter) from directories, tokenizer from the target's directory, an Engine over them.
-        `method` is a variant name (dpara_rt.methods.VARIANTS); ``engine_kwargs`` go to the Engine."""
+        `method` is a variant name (dpara_rt.methods.VARIANTS); ``engine_kwargs`` go to the Engine.
+        ``drafter_device``: where the drafter runs (default: the target's device)."""
         from dpara_rt.methods import needs_drafter, variant
+        from dpara_rt.round.lanes import parse_device
 
         kw = variant(method)
+        if drafter_device is not None:
+            drafter_device = parse_device(drafter_device, "drafter_device")  # before any weights load
         tokenizer = TextTokenizer.from_dir(target_dir)
         from dpara_rt.models.drafter_io import load_drafter
         from dpara_rt.models.hf_target import load_target
@@ -408,15 +413,22 @@ class TextGenerator:
         if needs_drafter(kw["method"]):
             if drafter_dir is None:
                 raise TextError(f"method {method!r} needs a drafter directory; give one, or use method 'ar'")
-            drafter = load_drafter(drafter_dir, target)
+            drafter = load_drafter(drafter_dir, target, device=drafter_device)
         return cls.build(target, drafter, tokenizer, method=method, stop_ids=stop_ids, top_k=top_k, **engine_kwargs)
 
     @classmethod
     def build(cls, target, drafter, tokenizer, method: str = "dpara", stop_ids: Iterable[int] = (),
-              top_k: int | None = None, **engine_kwargs) -> "TextGenerator":
-        """An Engine over loaded models whose eos_ids are the model's, the tokenizer's and `stop_ids`."""
+              top_k: int | None = None, drafter_device=None, **engine_kwargs) -> "TextGenerator":
+        """An Engine over loaded models whose eos_ids are the model's, the tokenizer's and `stop_ids`;
+        ``drafter_device`` moves the drafter there first (Drafter.move_to)."""
         from dpara_rt.engine import Engine
         from dpara_rt.methods import needs_drafter, variant
+        from dpara_rt.round.lanes import parse_device
+
+        if drafter_device is not None:
+            drafter_device = parse_device(drafter_device, "drafter_device")
+            if drafter is not None:
+                drafter.move_to(drafter_device)
 
         if not isinstance(tokenizer, TextTokenizer):
             tokenizer = TextTokenizer.wrap(tokenizer)

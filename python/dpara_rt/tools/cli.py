@@ -98,7 +98,18 @@ def _out_dir(path: str) -> str:
 
 
 def _load_pair(args):
-    """(tokenizer, target, drafter): from --target/--drafter directories, else the embedded pair."""
+    """(tokenizer, target, drafter): from --target/--drafter directories, else the embedded pair; the drafter on
+    --drafter-device where given."""
+    where = getattr(args, "drafter_device", None)
+    if where is None:
+        return _load_models(args)
+    from dpara_rt.round.lanes import parse_device
+    where = parse_device(where, "--drafter-device")  # checked before any weights load
+    tokenizer, target, drafter = _load_models(args)
+    return tokenizer, target, drafter.move_to(where) if drafter is not None else None
+
+
+def _load_models(args):
     if getattr(args, "target", None):
         from dpara_rt.models.drafter_io import load_drafter
         from dpara_rt.models.hf_target import load_target
@@ -439,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", help="a drafter directory for --target (dpara_rt, DSpark or DFlash); not needed "
                                        "for --method ar")
     gen.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    gen.add_argument("--drafter-device", default=None,
+                     help="where the drafter runs: cpu or cuda[:N] (default: the target's device)")
     gen.add_argument("--dtype", type=_dtype, default=None,
                      help="float32, bfloat16 or float16 (default: the checkpoint's; float32 for the embedded pair)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
@@ -489,6 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "pair)")
     srv.add_argument("--drafter", help="a drafter directory for --target; not needed for --method ar")
     srv.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    srv.add_argument("--drafter-device", default=None,
+                     help="where the drafter runs: cpu or cuda[:N] (default: the target's device)")
     srv.add_argument("--dtype", type=_dtype, default=None,
                      help="float32, bfloat16 or float16 (default: the checkpoint's; float32 for the embedded pair)")
     srv.add_argument("--served-model-name", default=None,
