@@ -7,6 +7,7 @@ and errors to the consumer, and stops the chain when the consumer goes away.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -18,9 +19,20 @@ from dpara_rt import _core
 from dpara_rt.round.lanes import Lane
 
 
+# Context managers entered around every link, each made by hook(phase, round) (dpara_rt.round.sync_guard attributes
+# host waits and op launches to links with them); empty in a decode nobody inspects, which then pays one check a link.
+LINK_HOOKS: list = []
+
 # Whether torch's profiler records this thread (it is enabled per thread: bench/profile_round.py enables it on a
 # lane's thread, which keeps it across that lane's jobs).
 _profiling = torch._C._autograd._profiler_enabled
+
+
+def _hooked(phase: str, rnd: int, fn: Callable[[], object]) -> object:
+    with contextlib.ExitStack() as stack:
+        for hook in list(LINK_HOOKS):
+            stack.enter_context(hook(phase, rnd))
+        return fn()
 
 
 class Chain:
@@ -41,6 +53,11 @@ class Chain:
         rnd = self.round
 
         def run():
+            if LINK_HOOKS:
+                return _hooked(phase, rnd, run_timed)
+            return run_timed()
+
+        def run_timed():
             t0 = _core.now_ns()
             try:
                 if not _profiling():  # entering a record_function costs ~9 us a link with no profiler to see it

@@ -1,0 +1,92 @@
+"""Host waits of a round on the device backend, counted on CPU tensors through the torch path (what a GPU would
+wait for: dpara_rt.round.sync_guard), with a ratchet: a new host wait in a steady-state round fails here."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dpara_rt.engine import Engine
+from dpara_rt.host.linear import native_target
+from dpara_rt.round import chain
+from dpara_rt.round.sync_guard import HostWaits, Launches
+from engine_pairs import predictable_pair
+
+# steady-state host waits per round, at most (d = 4, 2 requests): lower these as waits go, never raise them
+RATCHET = {
+    ("ar", False): 14, ("dspark", False): 41, ("dpara", False): 48,
+    ("ar", True): 15, ("dspark", True): 55, ("dpara", True): 62,
+}
+PROMPTS = [[1, 5, 9, 3], [4, 4, 7]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return predictable_pair()
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The torch references on CPU tensors, the native target off: the code a device runs."""
+    monkeypatch.setenv("DPARA_RT_OPS", "torch")
+    before = native_target(False)
+    yield
+    native_target(before)
+
+
+def test_the_guard_counts_each_kind_of_host_wait_and_its_link():
+    t = torch.arange(6)
+    with HostWaits() as w:
+        t.sum().item()
+        t.tolist()
+        t.numpy()
+        bool(t.any())
+        int(t[0]), float(t[1])
+        t.nonzero()
+        t[t > 2]
+        t.cpu()
+        t.to("cpu")
+        t.to("cpu", non_blocking=True)  # not a wait
+        t.to(torch.int32)               # not a copy between devices
+        with w.hook("verify", 3):
+            done = threading.Event()
+
+            def lane():  # another thread, inside a link of its own
+                with w.hook("backbone", 3):
+                    t.max().item()
+                done.set()
+            threading.Thread(target=lane).start()
+            done.wait()
+            t.tolist()
+    kinds = {what: n for (_, link, what), n in w.counts.by.items() if link == "caller"}
+    assert kinds == {"item": 1, "tolist": 1, "numpy": 1, "bool": 1, "int": 1, "float": 1, "nonzero": 1,
+                     "mask index": 1, "cpu": 1, "to": 1}, kinds
+    assert w.counts.per_link([3]) == {"backbone": 1.0, "verify": 1.0}
+    assert not chain.LINK_HOOKS and torch.Tensor.item.__qualname__.startswith("TensorBase")
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", ["ar", "dspark", "dpara"])
+def test_host_waits_per_round_stay_within_the_ratchet(pair, torch_path, method, sampled):
+    target, drafter = pair
+    eng = Engine(target, drafter if method != "ar" else None, method=method, d=4, drafting="device",
+                 drafter_worker="thread", temperature=1.0 if sampled else 0.0)
+    eng.generate(PROMPTS, 8)  # built and warm: the counted decode is a steady one
+    with HostWaits() as w:
+        eng.generate(PROMPTS, 40, seed=3)
+    per_round, limit = w.steady_per_round(), RATCHET[method, sampled]
+    print(f"\n{method} {'sampled' if sampled else 'greedy'}: {per_round:g} host waits per round (ratchet {limit})")
+    print(w.table())
+    assert len(w.steady()) >= 3, w.rounds()
+    assert per_round <= limit, w.table()
+
+
+def test_launches_are_counted_per_link(pair, torch_path):
+    target, drafter = pair
+    eng = Engine(target, drafter, method="dpara", d=4, drafting="device", drafter_worker="thread")
+    with Launches() as n:
+        eng.generate(PROMPTS, 24)
+    links = n.per_link()
+    assert {"verify", "backbone", "markov_head", "context"} <= set(links), links
+    assert n.steady_per_round() > 0 and not chain.LINK_HOOKS
