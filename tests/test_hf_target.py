@@ -1,6 +1,8 @@
 """Any transformers causal LM as the target: small random Llama, Qwen2, Qwen3-MoE and Mistral (sliding window)
 checkpoints written by transformers, loaded with load_target; every method's greedy output equals transformers'
-own generate, rollback equals a fresh prefill, and a Qwen3 checkpoint takes the native fast path."""
+own generate, rollback equals a fresh prefill, and a Qwen3 checkpoint takes the native fast path. Llama, Qwen2
+and full-attention Mistral checkpoints take it too (tests/test_native_llama.py); here native=False keeps them on
+the adapter."""
 import pytest
 import torch
 
@@ -67,7 +69,7 @@ def pairs(tmp_path_factory):
         if arch not in built:
             path = tmp_path_factory.mktemp(arch)
             build_hf(arch).save_pretrained(path)
-            model = load_target(path)
+            model = load_target(path, native=False)
             built[arch] = (model, bigram_drafter(model), path)
         return built[arch]
 
@@ -97,7 +99,7 @@ def test_load_target_wraps_transformers_models(pairs, arch):
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
     assert isinstance(model.embed_tokens, torch.nn.Embedding) and isinstance(model.lm_head, torch.nn.Linear)
     assert model.lm_head.weight is not model.embed_tokens.weight
-    assert load_target(path, dtype="bfloat16").dtype == torch.bfloat16
+    assert load_target(path, dtype="bfloat16", native=False).dtype == torch.bfloat16
 
 
 def test_qwen3_checkpoint_takes_the_native_path(tiny_target_dir):
@@ -137,7 +139,7 @@ def test_load_target_errors_name_the_path(tmp_path):
 def test_tied_embeddings(tmp_path):
     """A tied checkpoint shares one weight between embed_tokens and lm_head, and decodes losslessly."""
     build_hf("llama", shrink=1.0, tie_word_embeddings=True).save_pretrained(tmp_path)
-    model = load_target(tmp_path)
+    model = load_target(tmp_path, native=False)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.embed_tokens.weight
     drafter = bigram_drafter(model)
     want = hf_generate(model, PROMPTS, NEW)

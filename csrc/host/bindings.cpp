@@ -177,7 +177,8 @@ void bind_host(py::module_& m) {
                                "One Qwen3 decoder layer's packed weights and norms (pointers), for host_qwen3_layer.")
       .def(py::init([](std::uintptr_t qkv, std::uintptr_t o, std::uintptr_t gate_up, std::uintptr_t down,
                        const std::vector<std::string>& packed_formats, std::uintptr_t input_norm,
-                       std::uintptr_t post_norm, std::uintptr_t q_norm, std::uintptr_t k_norm) {
+                       std::uintptr_t post_norm, std::uintptr_t q_norm, std::uintptr_t k_norm,
+                       std::uintptr_t qkv_bias) {
              if (packed_formats.size() != 4)
                throw std::invalid_argument("HostQwen3Layer: packed_formats has " +
                                            std::to_string(packed_formats.size()) +
@@ -191,10 +192,13 @@ void bind_host(py::module_& m) {
              w.post_norm = reinterpret_cast<const float*>(post_norm);
              w.q_norm = reinterpret_cast<const float*>(q_norm);
              w.k_norm = reinterpret_cast<const float*>(k_norm);
+             w.qkv_bias = reinterpret_cast<const float*>(qkv_bias);
              return w;
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("packed_formats"),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"))
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm") = 0, py::arg("k_norm") = 0,
+           py::arg("qkv_bias") = 0,
+           "q_norm and k_norm 0 (both): no q / k norms (the Llama family); qkv_bias 0: no bias on q, k, v.")
       .def("forward", [](const HostQwen3Weights& w, std::int64_t hidden, std::int64_t heads, std::int64_t kv_heads,
                          std::int64_t head_dim, std::int64_t intermediate, double eps, std::uintptr_t h,
                          std::int64_t batch, std::int64_t t, std::uintptr_t positions, std::uintptr_t cos,

@@ -35,10 +35,13 @@ DPARA_RT_HOT void norm_rows(const float* x, const float* w, std::int64_t rows, s
   for (std::int64_t r = 0; r < rows; ++r) rms_norm(x + r * n, w, n, eps, out + r * n);
 }
 
-// In place on one head: RMSNorm, then RoPE (x * cos + rotate_half(x) * sin).
+// In place on one head: RMSNorm (where w is not null), then RoPE (x * cos + rotate_half(x) * sin).
 DPARA_RT_INLINE void norm_rope(float* x, const float* w, std::int64_t d, float eps, const float* cos,
                                const float* sin, float* tmp) {
-  rms_norm(x, w, d, eps, tmp);
+  if (w)
+    rms_norm(x, w, d, eps, tmp);
+  else
+    std::memcpy(tmp, x, sizeof(float) * d);
   const std::int64_t half = d / 2;
   for (std::int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + (-tmp[i + half]) * sin[i];
   for (std::int64_t i = half; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
@@ -93,15 +96,23 @@ DPARA_RT_HOT void add_rows(float* h, const float* x, std::int64_t elems) {
   for (std::int64_t i = 0; i < elems; ++i) h[i] += x[i];
 }
 
+// Columns begin..width of each row of y [rows, width] += bias[begin..width): a product's bias, added after its FMA
+// chain as torch's addmm does, per row, so a row's values do not depend on the rows beside it.
+DPARA_RT_HOT void add_bias(float* y, const float* bias, std::int64_t rows, std::int64_t width, std::int64_t begin) {
+  for (std::int64_t r = 0; r < rows; ++r) add_rows(y + r * width + begin, bias + begin, width - begin);
+}
+
 void check_layer(const char* kWhat, const HostQwen3Dims& dm, const HostQwen3Weights& w) {
   if (dm.hidden < 1 || dm.heads < 1 || dm.kv_heads < 1 || dm.head_dim < 2 || dm.head_dim % 2 ||
       dm.intermediate < 1 || dm.heads % dm.kv_heads || !(dm.eps > 0))
     detail::value_error(kWhat, ": dims hidden ", dm.hidden, ", heads ", dm.heads, ", kv_heads ", dm.kv_heads,
                         ", head_dim ", dm.head_dim, ", intermediate ", dm.intermediate, ", eps ", dm.eps,
                         "; expected positive extents, an even head_dim, heads a multiple of kv_heads, eps > 0");
-  if (!w.qkv.data || !w.o.data || !w.gate_up.data || !w.down.data || !w.input_norm || !w.post_norm ||
-      !w.q_norm || !w.k_norm)
+  if (!w.qkv.data || !w.o.data || !w.gate_up.data || !w.down.data || !w.input_norm || !w.post_norm)
     detail::value_error(kWhat, ": a weight pointer is null");
+  if (!w.q_norm != !w.k_norm)
+    detail::value_error(kWhat, ": q_norm is ", w.q_norm ? "given" : "null", " and k_norm ", w.k_norm ? "given" : "null",
+                        "; expected both (Qwen3) or neither (Llama, Qwen2, Mistral)");
 }
 
 void check_cache(const char* kWhat, const HostQwen3Dims& dm, const HostKVLayer& cache) {
@@ -199,6 +210,7 @@ Scratch project_qkv(const HostQwen3Dims& dm, const HostQwen3Weights& w, const fl
   Scratch xn = scratch(rows * hd), qkv = scratch(rows * width);
   norm_rows(h, w.input_norm, rows, hd, dm.eps, xn.get());
   linear(xn.get(), rows, hd, w.qkv.data, w.qkv.format, width, qkv.get());
+  if (w.qkv_bias) add_bias(qkv.get(), w.qkv_bias, rows, width, 0);
   qk_rope_store(dm, w, qkv.get(), batch, t, positions, cos, sin, cache);
   return qkv;
 }
@@ -424,6 +436,7 @@ void host_context_kv(const HostQwen3Dims& dm, const HostQwen3Weights* weights, c
     const HostQwen3Weights& w = weights[i];
     const HostKVLayer& cache = contexts[i];
     host_linear_columns(cn.get(), rows, hd, w.qkv.data, w.qkv.format, width, begin, width, qkv.get(), width);
+    if (w.qkv_bias) add_bias(qkv.get(), w.qkv_bias, rows, width, q_cols);
     store_context_kv(dm, w, qkv.get(), rows, src.data(), t, lengths, cos, sin, cache);
   }
 }

@@ -1,4 +1,5 @@
-"""The native host path of a float32 Qwen3 target: all decoder layers in one ``_core.HostQwen3Stack`` call.
+"""The native host path of a float32 Qwen3 target (or a Llama, Qwen2, Mistral one: the same layer without q / k
+norms, with a q / k / v bias): all decoder layers in one ``_core.HostQwen3Stack`` call.
 
 On the host a verify of a few tokens is mostly fixed cost: about sixty small torch operators per layer (norms,
 RoPE, the KV write, masks, attention, SiLU) cost more than the arithmetic. The core runs each layer
@@ -33,11 +34,18 @@ def usable(model: nn.Module, h: Tensor, cache) -> bool:
 
 
 def _layer_tensors(layer: nn.Module) -> list[Tensor]:
+    """The 7 projections' weights, the 2 norms', then the q / k norms' where the layer has them (Qwen3) and the
+    q / k / v biases where it has them (Qwen2)."""
     attn = layer.self_attn
     mlp = layer.mlp if isinstance(getattr(layer, "mlp", None), nn.Module) else layer  # the drafter's layer holds its MLP
-    return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.q_norm.weight, attn.k_norm.weight]
+    tensors = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+               mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+               layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if isinstance(getattr(attn.q_norm, "weight", None), Tensor):
+        tensors += [attn.q_norm.weight, attn.k_norm.weight]
+    if attn.q_proj.bias is not None:
+        tensors += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    return tensors
 
 
 def _versions(tensors) -> list[tuple[int, int]]:
@@ -59,17 +67,23 @@ class _PackedLayer:
         self.math = math
         q, k, v, o, gate, up, down = (t.detach() for t in tensors[:7])
         packs = [pack_weight(w, math) for w in (torch.cat([q, k, v]), o, torch.cat([gate, up]), down)]
-        self.norms = [t.detach().contiguous() for t in tensors[7:]]
+        extra = tensors[9:]
+        qk_norms = [t.detach().contiguous() for t in extra[:2]] if len(extra) in (2, 5) else []
+        bias = [torch.cat([t.detach() for t in extra[-3:]]).contiguous()] if len(extra) >= 3 else []
+        self.norms = [t.detach().contiguous() for t in tensors[7:9]] + qk_norms + bias  # held: the core points at them
         self.packed = [p for p, _ in packs]
+        q_norm, k_norm = (n.data_ptr() for n in qk_norms) if qk_norms else (0, 0)
         self.core = _core.HostQwen3Layer(*(p.data_ptr() for p in self.packed), [dt for _, dt in packs],
-                                         *(n.data_ptr() for n in self.norms))
+                                         *(n.data_ptr() for n in self.norms[:2]), q_norm=q_norm, k_norm=k_norm,
+                                         qkv_bias=bias[0].data_ptr() if bias else 0)
 
     def unchanged(self) -> bool:
         """Nothing registered since packing (no parameter or module replaced) and the same storage and versions."""
         return self.registrations == registrations() and self.versions == _versions(self.tensors)
 
     def current(self, tensors: list[Tensor], math: str) -> bool:
-        return (all(a is b for a, b in zip(self.tensors, tensors)) and self.versions == _versions(tensors)
+        return (len(self.tensors) == len(tensors) and all(a is b for a, b in zip(self.tensors, tensors))
+                and self.versions == _versions(tensors)
                 and self.math == math)
 
 

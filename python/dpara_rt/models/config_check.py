@@ -61,6 +61,9 @@ FIELDS: dict[str, tuple[_Rule, bool]] = {
     "tie_word_embeddings": (BOOL, True),
     "attention_bias": (BOOL, True),
     "use_sliding_window": (BOOL, True),
+    "mlp_bias": (BOOL, True),
+    "sliding_window": (POSITIVE_INT, True),
+    "partial_rotary_factor": (POSITIVE_NUMBER, True),
     "eos_token_id": (TOKEN_IDS, True),
     "model_type": (STRING, False),
     "architectures": (STRINGS, True),
@@ -75,6 +78,10 @@ ROPE_FIELDS: dict[str, tuple[_Rule, bool]] = {
     "rope_theta": (POSITIVE_NUMBER, True),
     "rope_type": (STRING, True),
     "type": (STRING, True),
+    "factor": (POSITIVE_NUMBER, True),
+    "low_freq_factor": (POSITIVE_NUMBER, True),
+    "high_freq_factor": (POSITIVE_NUMBER, True),
+    "original_max_position_embeddings": (POSITIVE_INT, True),
 }
 
 

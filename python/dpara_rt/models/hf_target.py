@@ -10,7 +10,8 @@ after the final norm), as the native model computes them.
 Rows have ragged lengths, so each row owns a ``DynamicCache`` and the rows of a batch run one after another
 (batch 1 is the main case; a batched path would need per-row cache cropping).
 
-``load_target`` picks the native Qwen3 (the fast path) for Qwen3 checkpoints and this adapter for the others;
+``load_target`` picks the native decoder (the fast path) for Qwen3, Llama, Qwen2 and Mistral checkpoints whose
+every field it implements, and this adapter for the others; it reads a GGUF file too (models/gguf.py).
 ``make_target`` builds the matching speculation-facing target.
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ from torch import Tensor, nn
 from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.config_check import check_config
 from dpara_rt.models.loader import CheckpointError, generation_eos, load_qwen3, resolve_device, resolve_dtype
-from dpara_rt.models.qwen3 import MODEL_TYPE as QWEN3, Qwen3Config
+from dpara_rt.models.gguf import gguf_to_dir, is_gguf
+from dpara_rt.models.qwen3 import NATIVE_MODEL_TYPES, Qwen3Config
 from dpara_rt.models.target import Target, TargetBase
 
 DEFAULT_MAX_POSITIONS = 4096  # when a config names no max_position_embeddings
@@ -283,19 +285,20 @@ def _checkpoint_dtype(d: dict) -> torch.dtype:
 
 
 def load_target(path, device="cpu", dtype=None, native: bool = True):
-    """A target model from a Hugging Face checkpoint directory: the native Qwen3ForCausalLM for a Qwen3
-    checkpoint (the fast path), else an HFCausalLM over `AutoModelForCausalLM`. `dtype` None keeps the
-    checkpoint's dtype (float32 when it names none). `native=False` loads a Qwen3 through transformers too;
-    a Qwen3 config that the native model does not support (say, scaled RoPE) also goes through transformers."""
-    root = Path(path)
+    """A target model from a Hugging Face checkpoint directory or a GGUF file (read by transformers into a cached
+    directory: gguf_to_dir): the native Qwen3ForCausalLM for a Qwen3, Llama, Qwen2 or Mistral checkpoint (the fast
+    path), else an HFCausalLM over `AutoModelForCausalLM`. `dtype` None keeps the checkpoint's dtype (float32 when
+    it names none). `native=False` loads those through transformers too; a config that the native model does not
+    implement (a sliding window, YaRN RoPE, ...) also goes through transformers."""
+    root = gguf_to_dir(path) if is_gguf(path) else Path(path)
     d = check_config(_read_config(root), root / "config.json")  # before either loader reads a field
     dtype = _checkpoint_dtype(d) if dtype is None else resolve_dtype(dtype)
     device = resolve_device(device)
-    if native and d.get("model_type") == QWEN3:
+    if native and d.get("model_type") in NATIVE_MODEL_TYPES:
         try:
             Qwen3Config.from_dict(d)
         except ValueError:
-            pass  # a Qwen3 variant the native model does not implement: transformers runs it
+            pass  # a variant the native model does not implement: transformers runs it
         else:
             return load_qwen3(root, dtype=dtype, device=device)
     if "model_type" not in d:

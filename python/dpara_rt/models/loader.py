@@ -1,4 +1,5 @@
-"""Load and save Qwen3 checkpoints in the Hugging Face layout (config.json + safetensors, single or sharded)."""
+"""Load and save Qwen3 checkpoints in the Hugging Face layout (config.json + safetensors, single or sharded); Llama,
+Qwen2 and Mistral checkpoints load the same way into the native decoder (models/decoder_config.py)."""
 from __future__ import annotations
 
 import json
@@ -102,7 +103,8 @@ def _hf_name(name: str) -> str:
 
 
 def load_qwen3(path, dtype=torch.float32, device="cpu") -> Qwen3ForCausalLM:
-    """Load a Hugging Face Qwen3ForCausalLM directory as our model, weights cast to `dtype` on `device`."""
+    """Load a Hugging Face Qwen3ForCausalLM directory (or a Llama, Qwen2, Mistral one that Qwen3Config.from_dict
+    accepts) as our model, weights cast to `dtype` on `device`."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint path {str(root)!r} is not a directory; expected a Hugging Face model dir")
@@ -120,8 +122,8 @@ def load_qwen3(path, dtype=torch.float32, device="cpu") -> Qwen3ForCausalLM:
                               f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing)")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise CheckpointError(f"checkpoint {str(root)!r} has weights {unexpected[:8]} that a Qwen3 model with "
-                              f"{config.num_hidden_layers} layers does not use; does config.json match the weights?")
+        raise CheckpointError(f"checkpoint {str(root)!r} has weights {unexpected[:8]} that a {config.model_type} model "
+                              f"with {config.num_hidden_layers} layers does not use; does config.json match the weights?")
     for name, ref in expected.items():
         if not torch.isfinite(tensors[name]).all():  # a damaged checkpoint would decode to garbage silently
             raise CheckpointError(f"tensor {name!r} in {str(root)!r} holds non-finite values (NaN or inf); "

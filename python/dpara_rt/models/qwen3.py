@@ -1,4 +1,6 @@
-"""Qwen3-architecture causal LM in plain torch, numerically equal to transformers' Qwen3ForCausalLM.
+"""Qwen3-architecture causal LM in plain torch, numerically equal to transformers' Qwen3ForCausalLM, and with the
+config's switches (decoder_config.py) its Llama, Qwen2 and Mistral relatives: no q / k norms, a bias on q, k, v,
+scaled RoPE frequencies.
 
 Every row of a batch carries its own positions, so one forward serves ragged prefill, single-token
 decoding and multi-token verification. With a KVCache the new K/V are written at `positions` and each
@@ -7,119 +9,20 @@ query attends to cache slots 0..its own position; the caller decides what is com
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dpara_rt.jsonfile import read_json_object
-from dpara_rt.models.config_check import FIELDS, check_config, check_value
 from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.host.linear import HostLinear
+from dpara_rt.models.decoder_config import (ARCHITECTURE, MODEL_TYPE, NATIVE_MODEL_TYPES, Qwen3Config,
+                                            rope_inv_freq)
 from dpara_rt.models.kv_cache import KVCache
 
-MODEL_TYPE = "qwen3"
-ARCHITECTURE = "Qwen3ForCausalLM"
-
-
-@dataclass
-class Qwen3Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 40960
-    tie_word_embeddings: bool = False
-    eos_token_id: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                     "tie_word_embeddings", "eos_token_id"):
-            check_value("Qwen3Config", name, getattr(self, name), FIELDS[name][0])
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"Qwen3Config: num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads = {self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"Qwen3Config.head_dim = {self.head_dim}; RoPE needs an even head_dim")
-        bad = [e for e in self.eos_token_id if not 0 <= e < self.vocab_size]
-        if bad:
-            raise ValueError(f"Qwen3Config.eos_token_id contains {bad}; expected ids in [0, {self.vocab_size})")
-
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3Config":
-        """Parse a Hugging Face config.json dict (transformers 4.x and 5.x spellings); a null field is an absent
-        one."""
-        check_config(d)
-        d = {k: v for k, v in d.items() if v is not None}
-        model_type = d.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
-            raise ValueError(f"config model_type = {model_type!r}; expected {MODEL_TYPE!r}")
-        archs = d.get("architectures") or [ARCHITECTURE]
-        if ARCHITECTURE not in archs:
-            raise ValueError(f"config architectures = {archs!r}; expected {[ARCHITECTURE]!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config hidden_act = {d['hidden_act']!r}; Qwen3 uses 'silu'")
-        if d.get("attention_bias", False):
-            raise ValueError("config attention_bias = true; Qwen3 attention has no biases")
-        if d.get("use_sliding_window", False):
-            raise ValueError("config use_sliding_window = true; only full attention is supported")
-        # transformers 5 nests rope_theta in rope_parameters; 4.x keeps it at the top with rope_scaling.
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config rope_type = {rope_type!r}; only 'default' RoPE is supported")
-        theta = rope.get("rope_theta")
-        theta = d.get("rope_theta", 10000.0) if theta is None else theta
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
-        if missing:
-            raise ValueError(f"config lacks required keys {missing}")
-        heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), eos_token_id=eos)
-
-    @classmethod
-    def from_json(cls, path) -> "Qwen3Config":
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist; expected a Hugging Face config.json")
-        d = check_config(read_json_object(path, "config file"), path)
-        try:
-            return cls.from_dict(d)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-
-    def to_dict(self) -> dict:
-        """A config.json that both transformers 4.x (rope_theta) and 5.x (rope_parameters) read."""
-        d = asdict(self)
-        d.update(model_type=MODEL_TYPE, architectures=[ARCHITECTURE], hidden_act="silu",
-                 attention_bias=False, use_sliding_window=False,
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
-        return d
-
+__all__ = ["ARCHITECTURE", "MODEL_TYPE", "NATIVE_MODEL_TYPES", "Qwen3Config", "Qwen3ForCausalLM", "RMSNorm",
+           "RopeTable", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
@@ -132,10 +35,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
 def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -192,13 +91,17 @@ class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, device=None, dtype=None):
         super().__init__()
         kw = dict(bias=False, device=device, dtype=dtype)
+        qkv = dict(kw, bias=cfg.qkv_bias)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = HostLinear(cfg.hidden_size, self.n_heads * self.head_dim, **kw)
-        self.k_proj = HostLinear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
-        self.v_proj = HostLinear(cfg.hidden_size, self.n_kv * self.head_dim, **kw)
+        self.q_proj = HostLinear(cfg.hidden_size, self.n_heads * self.head_dim, **qkv)
+        self.k_proj = HostLinear(cfg.hidden_size, self.n_kv * self.head_dim, **qkv)
+        self.v_proj = HostLinear(cfg.hidden_size, self.n_kv * self.head_dim, **qkv)
         self.o_proj = HostLinear(self.n_heads * self.head_dim, cfg.hidden_size, **kw)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
+        if cfg.qk_norm:  # Qwen3's; the Llama family has none (no parameters, so the state dicts match)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, device, dtype)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, positions: Tensor,
                 cache: KVCache | None, layer: int, kv_len: int) -> Tensor:
@@ -283,16 +186,16 @@ class Qwen3ForCausalLM(nn.Module):
         """(Re)compute the RoPE frequencies in fp32 on the embedding's device (also after meta init)."""
         device = self.embed_tokens.weight.device
         device = torch.device("cpu") if device.type == "meta" else device
-        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta).to(device)
+        self.inv_freq = self.config.inv_freq().to(device)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None):
-        """Fresh random weights as transformers initialises Qwen3: N(0, std) matrices, unit norms."""
-        for p in self.parameters():
+        """Fresh random weights as transformers initialises Qwen3: N(0, std) matrices, unit norms, zero biases."""
+        for name, p in self.named_parameters():
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=generator).mul_(std))
             else:
-                p.fill_(1.0)
+                p.fill_(0.0 if name.endswith(".bias") else 1.0)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -113,10 +113,10 @@ def _load_models(args):
     if getattr(args, "target", None):
         from dpara_rt.models.drafter_io import load_drafter
         from dpara_rt.models.hf_target import load_target
-        target = load_target(args.target, device=getattr(args, "device", None) or "cpu",
-                             dtype=getattr(args, "dtype", None))
+        root = _target_dir(args.target)
+        target = load_target(root, device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None))
         drafter = load_drafter(args.drafter, target) if args.drafter else None
-        return _hf_tokenizer(args.target), target, drafter
+        return _hf_tokenizer(root), target, drafter
     device, dtype = getattr(args, "device", None), getattr(args, "dtype", None)
     if device is None and dtype is None:
         from dpara_rt.tools.compare import load_pair
@@ -125,6 +125,12 @@ def _load_models(args):
     from dpara_rt.tools.compare import host_drafter_dtype
     return load_tiny(device=device or "cpu", dtype=dtype or "float32", root=getattr(args, "models", None),
                      drafter_dtype=host_drafter_dtype())
+
+
+def _target_dir(path: str) -> str:
+    """--target as a model directory: a GGUF file is read by transformers into a cached one (models/gguf.py)."""
+    from dpara_rt.models.gguf import gguf_to_dir, is_gguf
+    return str(gguf_to_dir(path)) if is_gguf(path) else path
 
 
 def _hf_tokenizer(path):
@@ -277,6 +283,7 @@ def _fit_report(args) -> int:
     """`info --target DIR --drafter DIR`: each check with its verdict; exit 1 with one line per misfit."""
     if args.drafter and not args.target:
         raise CliError(f"--drafter {args.drafter} needs --target DIR to check it against")
+    args.target = _target_dir(args.target)
     t = _target_config(args.target)
     V, H, L = t["vocab_size"], t["hidden_size"], t["num_hidden_layers"]
     print(f"target  {args.target}: {t['model_type']}, vocab_size {V}, hidden_size {H}, {L} layers")
@@ -445,8 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_positive("--top-k"), default=None, help="sample among the k likeliest")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--d", type=_positive("--d"), default=7)
-    gen.add_argument("--target", help="a Hugging Face model directory with its tokenizer (default: the embedded "
-                                      "pair)")
+    gen.add_argument("--target", help="a Hugging Face model directory with its tokenizer, or a GGUF file "
+                                      "(default: the embedded pair)")
     gen.add_argument("--drafter", help="a drafter directory for --target (dpara_rt, DSpark or DFlash); not needed "
                                        "for --method ar")
     gen.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
@@ -467,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="build info, lanes, embedded models; with --target/--drafter: does the "
                                        "pair fit")
-    info.add_argument("--target", default=None, help="a Hugging Face model directory")
+    info.add_argument("--target", default=None, help="a Hugging Face model directory or a GGUF file")
     info.add_argument("--drafter", default=None, help="a drafter directory to check against --target")
     info.set_defaults(fn=cmd_info)
 
@@ -498,8 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests waiting beyond the batch; more get HTTP 429")
     srv.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
                      help="context cap in tokens (default: the model's max_position_embeddings)")
-    srv.add_argument("--target", help="a Hugging Face model directory with its tokenizer (default: the embedded "
-                                      "pair)")
+    srv.add_argument("--target", help="a Hugging Face model directory with its tokenizer, or a GGUF file "
+                                      "(default: the embedded pair)")
     srv.add_argument("--drafter", help="a drafter directory for --target; not needed for --method ar")
     srv.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     srv.add_argument("--drafter-device", default=None,

@@ -3,7 +3,9 @@
 // run as 8-odd native calls instead of ~60 small torch operators per layer.
 //
 // Same maths as dpara_rt.models.qwen3 (transformers' Qwen3): h += o(attn(rope(q_norm(q)), rope(k_norm(k)), v))
-// over the pre-norm input, then h += down(silu(gate(x)) * up(x)) over the post-attention norm. Every step works
+// over the pre-norm input, then h += down(silu(gate(x)) * up(x)) over the post-attention norm. The Llama family
+// is the same layer without the q / k norms (Llama, Mistral) and with a bias on q, k and v (Qwen2): the weights
+// say which (HostQwen3Weights). Every step works
 // on one row (token) at a time in a fixed order, and the projections are host_linear's FMA chains, so a token's
 // layer output does not depend on the other tokens of the call: verifying T tokens gives each the values that
 // decoding it alone would.
@@ -32,8 +34,9 @@ struct HostQwen3Weights {
   HostPackedLinear down;     // [hidden, intermediate]
   const float* input_norm = nullptr;  // [hidden]
   const float* post_norm = nullptr;   // [hidden]
-  const float* q_norm = nullptr;      // [head_dim]
+  const float* q_norm = nullptr;      // [head_dim]; null with k_norm: no q / k norms (Llama, Qwen2, Mistral)
   const float* k_norm = nullptr;      // [head_dim]
+  const float* qkv_bias = nullptr;    // [(heads + 2 kv_heads) head_dim] added to the qkv product, or null (none)
 };
 
 // One layer's KV cache: element (row b, kv head g, slot s, i) at k[b * row_stride + g * head_stride + s * head_dim
