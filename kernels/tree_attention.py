@@ -52,8 +52,11 @@ def _sdpa(q, k, v, mask, scale):
 def tree_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: float) -> torch.Tensor:
     """torch reference: one SDPA call over cat(context[:max ctx_len], tree) with a dense boolean mask."""
     batch, _, n_tree, _ = q.shape
-    lens = ctx_lens.to(device=q.device, dtype=torch.long)
-    n_ctx = int(lens.max()) if batch else 0
+    same = ctx_lens.device == q.device and ctx_lens.dtype == torch.long
+    lens = ctx_lens if same else ctx_lens.to(device=q.device, dtype=torch.long)
+    # as the Triton launcher: lengths on a device are not read on the host; the mask hides the columns past each
+    # row's length
+    n_ctx = (int(ctx_lens.max()) if ctx_lens.device.type == "cpu" else k_ctx.shape[2]) if batch else 0
     keys = torch.cat([k_ctx[:, :, :n_ctx], k_tree], dim=2)
     values = torch.cat([v_ctx[:, :, :n_ctx], v_tree], dim=2)
     ctx_visible = torch.arange(n_ctx, device=q.device)[None, :] < lens[:, None]

@@ -22,7 +22,7 @@ from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_atten
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,
                                      verify_sample_triton)
 
-__all__ = ["backend", "tree_attention", "markov_head", "verify_greedy", "verify_sample", "MAX_DRAFT"]
+__all__ = ["backend", "upload", "tree_attention", "markov_head", "verify_greedy", "verify_sample", "MAX_DRAFT"]
 
 MAX_DRAFT = _core.MAX_DRAFT  # largest draft length d: the core owns the limit, the kernels follow it
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -104,11 +104,26 @@ def _triton_head_dim(head_dim: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- ops
 
-def tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: float) -> torch.Tensor:
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for the device's queue: to CUDA through pinned memory
+    and a copy ordered on the current stream (a copy from pageable memory waits for the stream first); torch's
+    pinned-memory cache keeps the buffer until that copy ran. `t` itself where it is on `device` already."""
+    device = torch.device(device)
+    if t.device == device or device.type == t.device.type == "cpu":
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: float,
+                   lens_checked: bool = False) -> torch.Tensor:
     """Attention of the spine + branch rows over context + tree (see dpara_rt.kernels.tree_attention).
 
     ctx_lens may stay on the CPU (the convention for per-request counts): then checking it costs no
-    device sync and the Triton launcher sizes its context splits from it.
+    device sync and the Triton launcher sizes its context splits from it. ``lens_checked``: the caller checked
+    ctx_lens in [0, Lmax] already (a context cache's lengths, checked as it grew): no value check here, where a
+    device tensor's would make the host wait once per layer.
     """
     _tensor("q", q, 4, "float")
     for name, t in (("k_ctx", k_ctx), ("v_ctx", v_ctx), ("k_tree", k_tree), ("v_tree", v_tree)):
@@ -132,7 +147,7 @@ def tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: flo
     _rows_contiguous(("q", q), ("k_ctx", k_ctx), ("v_ctx", v_ctx), ("k_tree", k_tree), ("v_tree", v_tree))
     if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale = {scale!r}, expected a positive finite float")
-    if batch:
+    if batch and not lens_checked:
         _in_range(("ctx_lens", ctx_lens, 0, max_ctx + 1))
     if backend(q.device) == "triton":
         _triton_head_dim(head_dim)
@@ -140,8 +155,11 @@ def tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: flo
     return tree_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, int(d), float(scale))
 
 
-def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0):
-    """Draft d tokens from boundary[b, r[b]] with the Markov head; (draft [B, d], q [B, d, V] or None)."""
+def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0,
+                checked: bool = False):
+    """Draft d tokens from boundary[b, r[b]] with the Markov head; (draft [B, d], q [B, d, V] or None).
+    ``checked``: the caller knows r and bonus in range (a round's own outcome): no value check, which on a device
+    would wait for them."""
     _tensor("boundary", boundary, 4, "float")
     _tensor("r", r, 1, "int")
     _tensor("bonus", bonus, 1, "int")
@@ -175,7 +193,7 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
                          "split the batch")
     chosen = backend(boundary.device)
     native = chosen == "host" and boundary.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32
-    if batch and not native:  # the native head checks every index itself, naming the value
+    if batch and not native and not checked:  # the native head checks every index itself, naming the value
         _in_range(("r", r, 0, n_slots), ("bonus", bonus, 0, vocab))
     if chosen == "triton":
         return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
@@ -206,8 +224,8 @@ def markov_head_for(w1, w2):
     bias from the cache, so the bound would never be read. Elsewhere markov_head itself."""
     if backend(w1.device) == "host" and w1.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
         return HostMarkovHead(w1.contiguous(), w2.contiguous(), cache_bytes=markov_bias_bytes(w1.shape[0]))
-    return lambda boundary, r, bonus, temperature=0.0, seed=0, offset=0: markov_head(
-        boundary, r, bonus, w1, w2, temperature, seed, offset)
+    return lambda boundary, r, bonus, temperature=0.0, seed=0, offset=0, checked=False: markov_head(
+        boundary, r, bonus, w1, w2, temperature, seed, offset, checked)
 
 
 def _check_draft(draft, batch: int, d: int, vocab: int) -> None:
@@ -237,8 +255,9 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def verify_sample(p, q, draft, u_accept, u_bonus):
-    """Lossless rejection-sampling verification: (accepted r [B] long, bonus [B] long).
+def verify_sample(p, q, draft, u_accept, u_bonus, checked: bool = False):
+    """Lossless rejection-sampling verification: (accepted r [B] long, bonus [B] long). ``checked``: the caller
+    knows the draft ids in [0, V) and the uniforms in [0, 1) (a decode's own): no value check of device tensors.
 
     On the host (CPU tensors) this is the native core (native.verify_sample_native): the reference's decisions,
     bit for bit, with no torch reduction on the way."""
@@ -260,7 +279,7 @@ def verify_sample(p, q, draft, u_accept, u_bonus):
         # float dtypes widen to float32 exactly, as the reference's .float() does.
         return verify_sample_native(_host(p, torch.float32), _host(q, torch.float32), _host(draft, torch.long),
                                     _host(u_accept, torch.float32), _host(u_bonus, torch.float32))
-    if batch:
+    if batch and not checked:
         _in_range(("draft", draft, 0, vocab), ("u_accept", u_accept, 0.0, 1.0), ("u_bonus", u_bonus, 0.0, 1.0))
     if chosen == "triton":
         return verify_sample_triton(p, q, draft, u_accept, u_bonus)

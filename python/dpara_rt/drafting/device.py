@@ -3,9 +3,12 @@ kernels through ``dpara_rt.ops``; the same code runs on CPU tensors). Its forwar
 on CUDA a lane is a stream, so the backbone beside verification is a second stream's work."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
+from dpara_rt import ops
 from dpara_rt.core import branch_rows
 from dpara_rt.drafting.backend import DraftingBackend
 from dpara_rt.round.values import Draft, Outcome
@@ -31,12 +34,12 @@ class LocalContext:
                      prefix_seen: Tensor | None = None) -> Tensor:
         """A serial block's logits [B, n, V] (`prefix` / `prefix_seen`: PSD's feature-less spine before it)."""
         return self.drafter.block_logits(self.cache, bonus, n, prefix=prefix, prefix_seen=prefix_seen,
-                                         untrained_ok=untrained_ok)
+                                         untrained_ok=untrained_ok, checked=True)
 
     def boundary(self, spine: Tensor, slot: int, out: Tensor, project: bool) -> None:
         """Boundary logits (or the branches' hidden states) of `spine` [B, k <= d+1] into ring slot `out` (its
         branches 0..k-1)."""
-        self.drafter.boundary_logits(self.cache, spine, out=out, project=project, d=out.shape[2])
+        self.drafter.boundary_logits(self.cache, spine, out=out, project=project, d=out.shape[2], checked=True)
 
     def reset_row(self, b: int, features: Tensor) -> None:
         """Row b of the context: emptied, then `features` [T, F] (a request joining a serving decode)."""
@@ -98,6 +101,9 @@ class DeviceBackend(DraftingBackend):
         self.context = self.new_context(B, dec.target.max_len)
         # The head accumulates in fp32: its rank-R factors are converted (on the host its bound built) once.
         self.head, self.markov_enabled = drafter.markov_head(markov), markov
+        # r and bonus are the round state's own (r in 0..d, bonus a token id): a head that can skip their value
+        # check skips it, which on a device would wait for their copies
+        self.head_checked = {"checked": True} if _takes(self.head, "checked") else {}
         self.calls = 0  # head calls this decode: each draws fresh noise at offset `calls`
         # The head call count when each row's request took it: a per-request seed's offset is the calls since then,
         # so a request that joins a running decode draws what it draws alone (as from a fresh decode)
@@ -188,7 +194,8 @@ class DeviceBackend(DraftingBackend):
             return self.markov_per_row(logits, r, bonus)
         self.calls += 1
         dev = logits.device
-        return self.head(logits, r.to(dev), bonus.to(dev), self.head_temps[0], self.batch_seed(), self.calls)
+        return self.head(logits, ops.upload(r, dev), ops.upload(bonus, dev), self.head_temps[0], self.batch_seed(),
+                         self.calls, **self.head_checked)
 
     def batch_seed(self) -> int:
         o = self.dec.opts
@@ -205,7 +212,7 @@ class DeviceBackend(DraftingBackend):
         else:
             streams = [(o.seed, self.calls + (b << ROW_STREAM_SHIFT)) for b in range(len(self.head_temps))]
         rows = [(temp, seed, offset) for temp, (seed, offset) in zip(self.head_temps, streams)]
-        return markov_rows(self.head, logits, r.to(dev), bonus.to(dev), rows, o.sampling)
+        return markov_rows(self.head, logits, ops.upload(r, dev), ops.upload(bonus, dev), rows, o.sampling)
 
     def resolve_q(self, q):
         return q
@@ -221,6 +228,13 @@ class DeviceBackend(DraftingBackend):
         if self._zeros is None or len(self._zeros) != batch:
             self._zeros = torch.zeros(batch, dtype=torch.long)
         return self._zeros
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a native callable without a signature
+        return False
 
 
 __all__ = ["DeviceBackend", "LocalContext", "ROW_STREAM_SHIFT", "grown_context", "markov_rows", "reset_context_row"]

@@ -218,6 +218,11 @@ class ContextCache(KVCache):
         n = int(self.lengths.max()) if self.lengths.numel() else 0
         return self.k[i, :, :, :n], self.v[i, :, :, :n]
 
+    def layers(self) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's K/V trimmed to the longest row, the lengths read once."""
+        n = int(self.lengths.max()) if self.lengths.numel() else 0
+        return [(self.k[i, :, :, :n], self.v[i, :, :, :n]) for i in range(self.k.shape[0])]
+
 
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -336,7 +341,7 @@ class Drafter(nn.Module):
         dev = self.device
         if dev not in self._inv_freq:
             self._inv_freq[dev] = self._inv_freq[torch.device("cpu")].to(dev)
-        return self._rope_table(positions.to(dev), self._inv_freq[dev], self.dtype)
+        return self._rope_table(ops.upload(positions, dev), self._inv_freq[dev], self.dtype)
 
     def embed_rows(self, tokens: Tensor) -> Tensor:
         """Embed row tokens [B, Q]; ``MASK_ID`` rows get the mask embedding (learned, or mask_token_id's)."""
@@ -481,10 +486,11 @@ class Drafter(nn.Module):
         if self._host_context(cache, features, n, pos):
             cache.lengths.copy_(new_len)
             return
-        kv = self.context_kv(features.to(cache.k.device), pos)
-        rows, cols = (torch.arange(t)[None, :] < n[:, None]).nonzero(as_tuple=True)
-        dst = (cache.lengths[rows] + cols).to(cache.k.device)
-        rows, cols = rows.to(cache.k.device), cols.to(cache.k.device)
+        dev = cache.k.device
+        kv = self.context_kv(ops.upload(features, dev), pos)
+        rows, cols = (torch.arange(t)[None, :] < n[:, None]).nonzero(as_tuple=True)  # host counts: no device wait
+        dst = ops.upload(cache.lengths[rows] + cols, dev)
+        rows, cols = ops.upload(rows, dev), ops.upload(cols, dev)
         for i, (k, v) in enumerate(kv):
             cache.k[i, rows, :, dst] = k[rows, :, cols].to(cache.k.dtype)
             cache.v[i, rows, :, dst] = v[rows, :, cols].to(cache.v.dtype)
@@ -519,11 +525,13 @@ class Drafter(nn.Module):
                           f"trained for: positions past {self.config.block_size} are untrained (expect lower "
                           "tau); running anyway", DrafterWarning, stacklevel=stacklevel + 1)
 
-    def _rows_tokens(self, tokens: Tensor, batch: int, what: str) -> Tensor:
+    def _rows_tokens(self, tokens: Tensor, batch: int, what: str, checked: bool = False) -> Tensor:
         if tokens.dim() != 2 or tokens.shape[0] != batch:
             raise ValueError(f"{what} must be [B={batch}, n] token ids, got shape {tuple(tokens.shape)}")
         if tokens.dtype != torch.long:
             raise ValueError(f"{what} must be torch.long token ids, got {tokens.dtype}")
+        if checked:  # the runtime's own ids (a round's bonus and draft): no value check, a host wait on a device
+            return ops.upload(tokens, self.device)
         bad = (tokens < 0) | (tokens >= self.config.vocab_size)
         if bad.any():
             raise ValueError(f"{what} holds token id {int(tokens[bad][0])} outside [0, {self.config.vocab_size})")
@@ -532,7 +540,7 @@ class Drafter(nn.Module):
     @torch.inference_mode()
     def block_logits(self, cache: ContextCache, anchor: Tensor, d: int, prefix: Tensor | None = None,
                      mask_anchor: bool = False, prefix_seen: Tensor | None = None,
-                     untrained_ok: bool = False) -> Tensor:
+                     untrained_ok: bool = False, checked: bool = False) -> Tensor:
         """Layout (a): [anchor, MASK x (d-1)] at positions lengths[b].. -> d logits [B, d, V]. Under the DFlash
         convention (draft_rows "mask") the block is [anchor, MASK x d] and the logits are the mask rows'.
 
@@ -540,12 +548,13 @@ class Drafter(nn.Module):
         ``prefix_seen[b]`` of them (default all) and stands right after them (a ragged prefix: PSD's guess
         that request b accepted prefix_seen[b] - 1 draft tokens). ``mask_anchor`` replaces the anchor by MASK
         (what branch r of layout (b) sees at the bonus position). ``untrained_ok``: a caller that knowingly
-        reads past block_size (PSD's bonus guess) is not warned.
+        reads past block_size (PSD's bonus guess) is not warned. ``checked``: anchor and prefix are the runtime's
+        own token ids (a decode's), not checked again.
         """
         self._check_d(d, untrained_ok)
         b = cache.batch
-        anchor = self._rows_tokens(torch.as_tensor(anchor).reshape(b, 1), b, "anchor")
-        prefix = anchor[:, :0] if prefix is None else self._rows_tokens(prefix, b, "prefix")
+        anchor = self._rows_tokens(torch.as_tensor(anchor).reshape(b, 1), b, "anchor", checked)
+        prefix = anchor[:, :0] if prefix is None else self._rows_tokens(prefix, b, "prefix", checked)
         if mask_anchor:
             anchor = torch.full_like(anchor, MASK_ID)
         p, lead = prefix.shape[1], self.config.lead
@@ -562,17 +571,17 @@ class Drafter(nn.Module):
             positions[:, p:] += seen[:, None] - p
         h = self.host_backbone(tokens, positions, cache, visible if visible.shape[0] > 1 else visible[0], p + lead)
         if h is None:
-            ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
+            ctx_kv = cache.layers()
             lc = ctx_kv[0][0].shape[2]
             dev = anchor.device
             ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, tokens.shape[1], lc)
             attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
-            h = self.backbone(tokens, positions.to(dev), ctx_kv, attend, keep_from=p + lead)
+            h = self.backbone(tokens, ops.upload(positions, dev), ctx_kv, attend, keep_from=p + lead)
         return self.logits(h)
 
     @torch.inference_mode()
     def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
-                        project: bool = True, d: int | None = None) -> Tensor:
+                        project: bool = True, d: int | None = None, checked: bool = False) -> Tensor:
         """Layout (b): spine s_0..s_d at positions lengths[b]..; branch r = d MASK rows at lengths[b]+r+1..;
         one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given).
         ``project=False`` stops before the output head: the branches' final hidden states [B, d+1, d, H], of
@@ -583,9 +592,10 @@ class Drafter(nn.Module):
         left as they are. (DPara's first round verifies s_0 alone, whose one outcome is branch 0.)
 
         Under the DFlash convention a branch is d+1 rows (its bonus slot, then the d draft rows), so the tree is
-        built for width w = d+1 with one spine entry past s_d; only the unused branch w sees that entry."""
+        built for width w = d+1 with one spine entry past s_d; only the unused branch w sees that entry.
+        ``checked``: the spine is the runtime's own token ids (a decode's), not checked again."""
         b = cache.batch
-        spine = self._rows_tokens(spine, b, "spine")
+        spine = self._rows_tokens(spine, b, "spine", checked)
         k = spine.shape[1]
         d = k - 1 if d is None else d
         self._check_d(d)
@@ -601,19 +611,19 @@ class Drafter(nn.Module):
         lead, dev = self.config.lead, spine.device
         offsets, visible, keep_from = host_tree_layout(d, lead, k)
         tokens = torch.cat([spine, torch.full((b, len(offsets) - k), MASK_ID, device=dev)], dim=1)
-        h = self.host_backbone(tokens, (cache.lengths[:, None] + offsets).to(dev), cache, visible, keep_from)
+        h = self.host_backbone(tokens, ops.upload(cache.lengths[:, None] + offsets, dev), cache, visible, keep_from)
         if h is None:  # the tree kernels' layout, padded past s_{k-1}: branches 0..k-1 never see the padding
             w = d + lead
             spine = torch.cat([spine, spine[:, -1:].expand(b, w + 1 - k)], dim=1)
             offsets, visible = tree_layout(w)
             tokens = torch.cat([spine, torch.full((b, (w + 1) * w), MASK_ID, device=dev)], dim=1)
-            positions = (cache.lengths[:, None] + offsets).to(dev)
-            ctx_lens = cache.lengths.to(dev)
+            positions = ops.upload(cache.lengths[:, None] + offsets, dev)
+            ctx_lens = ops.upload(cache.lengths, dev)
 
-            def attend(q, k_ctx, v_ctx, k_tree, v_tree):
-                return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale)
+            def attend(q, k_ctx, v_ctx, k_tree, v_tree):  # the cache's lengths: checked as they grew
+                return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale, lens_checked=True)
 
-            ctx_kv = [cache.layer(i) for i in range(self.config.num_layers)]
+            ctx_kv = cache.layers()
             h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
             h = h.view(b, w + 1, w, -1)[:, :k, lead:].reshape(b, k * d, -1)  # branches 0..k-1, their draft rows
         if not project:

@@ -12,9 +12,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dpara_rt import ops
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
 from dpara_rt.host.native import all_finite, argmax_if_finite
+
+
+def argmax_on_host(logits: Tensor) -> Tensor | None:
+    """logits.argmax(-1) [B, T] on the host, or None when a logit is NaN or infinite: the arg-max and the finiteness
+    flag computed where the logits are and read back in one copy (the host waits once, not three times)."""
+    lo, hi = torch.aminmax(logits)
+    finite = (torch.isfinite(lo) & torch.isfinite(hi)).to(torch.long)
+    both = torch.cat([logits.argmax(-1).reshape(-1), finite.reshape(1)]).cpu()
+    if not both[-1]:
+        return None
+    return both[:-1].view(logits.shape[:-1])
 
 
 class TargetBase:
@@ -76,7 +88,9 @@ class TargetBase:
         if features_out is not None:
             features_out.copy_(feats)
             feats = features_out
-        return logits, feats, argmax_if_finite(logits)
+        if ops.backend(logits.device) == "host":
+            return logits, feats, argmax_if_finite(logits)
+        return logits, feats, argmax_on_host(logits)
 
     @staticmethod
     def _finite_prefill(logits: Tensor, rows: Sequence[int]) -> Tensor:
@@ -89,8 +103,9 @@ class TargetBase:
         raise FloatingPointError(f"prefill: the target's last logits of prompt(s) {bad} hold non-finite values (NaN "
                                  "or inf); expected finite logits (a damaged model or an overflow in its dtype)")
 
-    def _check_verify(self, tokens, lengths: Tensor) -> Tensor:
-        """Checked verify tokens [batch, T] (long); `lengths` are the rows' committed lengths."""
+    def _check_verify(self, tokens, lengths) -> Tensor:
+        """Checked verify tokens [batch, T] (long); `lengths` are the rows' committed lengths (a host tensor or
+        numpy array)."""
         if self.batch == 0:
             raise RuntimeError("verify before start(): no requests are loaded")
         tokens = torch.as_tensor(tokens)
@@ -99,8 +114,9 @@ class TargetBase:
         if tokens.dtype != torch.long:
             raise ValueError(f"verify tokens dtype {tokens.dtype}; expected torch.long token ids")
         T = tokens.shape[1]
+        lengths = lengths if isinstance(lengths, np.ndarray) else lengths.numpy()
         if int(lengths.max()) + T > self.max_len:
-            r = int(np.flatnonzero(lengths.numpy() + T > self.max_len)[0])
+            r = int(np.flatnonzero(lengths + T > self.max_len)[0])
             raise ValueError(f"row {r}: length {int(lengths[r])} + {T} verify tokens exceeds max_len {self.max_len}")
         return tokens
 
@@ -212,13 +228,13 @@ class Target(TargetBase):
     def verify(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Run tokens [B, T] of each row at positions lengths[b]..lengths[b]+T-1 (lengths unchanged).
         Returns (logits [B, T, V] fp32, features [B, T, F])."""
-        tokens = self._check_verify(tokens, self.cache.lengths[: self.batch])
+        tokens = self._check_verify(tokens, self._lengths[: self.batch])
         B, T = tokens.shape
         # numpy for these [B] vectors: this runs every round, right after the last round evicted the caches
         lengths = self._lengths[:B]
-        positions = torch.from_numpy(lengths[:, None] + np.arange(T)).to(self.device)
+        positions = ops.upload(torch.from_numpy(lengths[:, None] + np.arange(T)), self.device)
         # the parameters were checked against their packed copies by this decode's start(): not again per round
-        logits, feats = self.model(tokens.to(self.device), positions, self.cache, self.layer_ids,
+        logits, feats = self.model(ops.upload(tokens, self.device), positions, self.cache, self.layer_ids,
                                    kv_len=int(lengths.max()) + T, recheck=False)
         self._last_t = T
         return logits, self._features(feats, B, T)

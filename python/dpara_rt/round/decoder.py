@@ -30,6 +30,12 @@ def _warn_non_finite_draft(dec: "Decoder") -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def _finite_on_device(x: Tensor) -> bool:
+    """Whether x holds no NaN or inf, read back once (ops.all_finite reads its min and max apart)."""
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 class Decoder:
     """One decode call: the target and its cache, the two lanes, the staging buffers, the boundary ring and the C++
     round state, all built here for this batch; the drafter behind ``drafting``, a backend built by
@@ -251,18 +257,22 @@ class Decoder:
         o = self.opts
         p = probs(logits, o.temperature, o.top_p, o.top_k)
         B, d = block.shape[0], block.shape[1] - 1
-        u_accept = uniforms(self.generator, B, d).to(p.device)
-        u_bonus = uniforms(self.generator, B).to(p.device)
+        u_accept = ops.upload(uniforms(self.generator, B, d), p.device)
+        u_bonus = ops.upload(uniforms(self.generator, B), p.device)
         q = self.drafting.resolve_q(draft.q).to(p.device)
-        damaged = not ops.all_finite(q)
+        on_host = ops.backend(p.device) == "host"
+        damaged = not (ops.all_finite(q) if on_host else _finite_on_device(q))
         if damaged:
             finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
             _warn_non_finite_draft(self)
             q = torch.where(finite[..., None], q, 0.0)
-        r, bonus = ops.verify_sample(p, q, block[:, 1:].to(p.device), u_accept, u_bonus)
+        # the draft is the head's own ids and the uniforms are in [0, 1) by construction: no value check
+        r, bonus = ops.verify_sample(p, q, ops.upload(block[:, 1:], p.device), u_accept, u_bonus, checked=True)
         if damaged:
             r, bonus = stop_at_non_finite(p, r, bonus, finite, u_bonus)
-        return Verified(block, feats, draft.slot, r=r.cpu(), bonus=bonus.cpu())
+        if not on_host:  # one copy back for both
+            r, bonus = torch.stack([r, bonus]).cpu()
+        return Verified(block, feats, draft.slot, r=r, bonus=bonus)
 
     def accept(self, verified: Verified) -> Outcome:
         """Target lane: commit the round. The C++ round state accepts (greedy) or takes the drawn (r, bonus),

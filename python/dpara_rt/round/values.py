@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dpara_rt import _core
+from dpara_rt import _core, ops
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class Draft:
     def spine(self, device) -> Tensor:
         """[b, t1..td] on `device`, for the drafter's own use (no staging round trip); [b] alone for an AR round."""
         if self.tokens is None:
-            return self.bonus[:, None].to(device)
-        return torch.cat([self.bonus[:, None].to(device), self.tokens], dim=1)
+            return ops.upload(self.bonus[:, None], device)
+        return torch.cat([ops.upload(self.bonus[:, None], device), self.tokens], dim=1)
 
     def spine_ids(self) -> list[list[int]]:
         """spine() as token lists, what a message to a drafter worker carries (without a tensor built on the way)."""
