@@ -90,3 +90,19 @@ class MathCheckedDrafter(Drafter):
 def math_checked(drafter: Drafter, math: str) -> MathCheckedDrafter:
     """`drafter`'s weights (shared, not copied) in a MathCheckedDrafter expecting `math`."""
     return _recast(drafter, MathCheckedDrafter, math=math)
+
+
+def assert_verified_tokens_get_their_decode_logits(model) -> None:
+    """A verify of 6 tokens gives each the logits of decoding it alone, bit for bit."""
+    from dpara_rt.models.target import Target
+    block = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        together = Target(model, 1, 64)
+        together.start([[5, 17, 3]])
+        all_logits, _ = together.verify(block)
+        alone = Target(model, 1, 64)
+        alone.start([[5, 17, 3]])
+        for j in range(block.shape[1]):
+            step, _ = alone.verify(block[:, j:j + 1])
+            alone.commit(torch.tensor([1]))
+            assert torch.equal(step[0, 0], all_logits[0, j]), j

@@ -6,6 +6,7 @@ from dpara_rt import _core
 from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from dpara_rt.models.target import Target
+from engine_pairs import assert_verified_tokens_get_their_decode_logits
 
 
 def _model(bf16_weights: bool, head_dim: int = 16) -> Qwen3ForCausalLM:
@@ -51,17 +52,7 @@ def test_native_layers_match_the_torch_path(monkeypatch, bf16_weights, head_dim)
 
 def test_a_verified_token_gets_the_logits_of_decoding_it_alone():
     model = _model(bf16_weights=True)
-    block = torch.tensor([[4, 8, 15, 16, 23, 42]])
-    with torch.no_grad():
-        together = Target(model, 1, 64)
-        together.start([[5, 17, 3]])
-        all_logits, _ = together.verify(block)
-        alone = Target(model, 1, 64)
-        alone.start([[5, 17, 3]])
-        for j in range(block.shape[1]):
-            step, _ = alone.verify(block[:, j:j + 1])
-            alone.commit(torch.tensor([1]))
-            assert torch.equal(step[0, 0], all_logits[0, j]), j
+    assert_verified_tokens_get_their_decode_logits(model)
 
 
 def test_a_prefill_on_two_threads_gives_each_token_its_decode_logits():

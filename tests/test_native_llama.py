@@ -12,6 +12,7 @@ from dpara_rt.models.decoder_config import Qwen3Config
 from dpara_rt.models.hf_target import HFCausalLM, load_target
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM
 from dpara_rt.models.target import Target
+from engine_pairs import assert_verified_tokens_get_their_decode_logits
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -105,17 +106,7 @@ def test_ar_greedy_equals_transformers_generate(loaded, arch):
 @pytest.mark.parametrize("arch", ["qwen2", "llama3_rope"])
 def test_a_verified_token_gets_the_logits_of_decoding_it_alone(loaded, arch):
     _, model = loaded(arch)
-    block = torch.tensor([[4, 8, 15, 16, 23, 42]])
-    with torch.no_grad():
-        together = Target(model, 1, 64)
-        together.start([[5, 17, 3]])
-        all_logits, _ = together.verify(block)
-        alone = Target(model, 1, 64)
-        alone.start([[5, 17, 3]])
-        for j in range(block.shape[1]):
-            step, _ = alone.verify(block[:, j:j + 1])
-            alone.commit(torch.tensor([1]))
-            assert torch.equal(step[0, 0], all_logits[0, j]), j
+    assert_verified_tokens_get_their_decode_logits(model)
 
 
 @pytest.mark.parametrize("change, field", [

@@ -14,6 +14,7 @@ from dpara_rt.round import lanes as lanes_module
 from dpara_rt.round.lanes import make_lanes, parse_device
 from dpara_rt.tools import cli as cli_module
 from engine_pairs import predictable_pair
+from test_cli import run_main
 
 
 class _FakeLane:
@@ -117,13 +118,7 @@ def test_text_generator_takes_a_drafter_device(tmp_path, monkeypatch):
         TextGenerator.build(target, drafter, tokenizer, method="dpara", drafter_device="cuda:1")
 
 
-def _main(capsys, *args):
-    try:
-        rc = cli_module.main([*map(str, args)])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+_main = run_main  # cli.main in this process (test_cli's)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
