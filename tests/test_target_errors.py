@@ -62,7 +62,9 @@ def test_index_naming_a_missing_shard(make_tiny_target_dir, tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (dict(model_type="llama"), "model_type = 'llama'"),
+    (dict(model_type="gpt2"), "model_type = 'gpt2'"),
+    # a Llama config is native too, but this checkpoint's architecture is Qwen3's
+    (dict(model_type="llama"), r"architectures = \['Qwen3ForCausalLM'\]; expected \['LlamaForCausalLM'\]"),
     (dict(architectures=["Qwen2ForCausalLM"]), "Qwen2ForCausalLM"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_type = 'yarn'"),
     (dict(num_key_value_heads=3), "num_key_value_heads = 3"),
