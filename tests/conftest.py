@@ -42,6 +42,23 @@ def build_hf_qwen3(**overrides):
 
 
 @pytest.fixture(scope="session")
+def saved_models(tmp_path_factory):
+    """Factory: saved_models(key, build) -> (Path, model): `build()` runs once per key and its transformers model
+    is written with save_pretrained."""
+    built = {}
+
+    def get(key: str, build):
+        if key not in built:
+            path = tmp_path_factory.mktemp(key)
+            model = build()
+            model.save_pretrained(path)
+            built[key] = path, model
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def make_tiny_target_dir(tmp_path_factory):
     """Factory: make_tiny_target_dir(name="tiny", max_shard_size=None, **overrides) -> Path of a saved HF dir.
     Same name, same directory (built once per session)."""

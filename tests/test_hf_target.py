@@ -3,6 +3,8 @@ checkpoints written by transformers, loaded with load_target; every method's gre
 own generate, rollback equals a fresh prefill, and a Qwen3 checkpoint takes the native fast path. Llama, Qwen2
 and full-attention Mistral checkpoints take it too (tests/test_native_llama.py); here native=False keeps them on
 the adapter."""
+import functools
+
 import pytest
 import torch
 
@@ -61,17 +63,13 @@ def bigram_drafter(model, seed: int = 1) -> Drafter:
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def pairs(saved_models):
     """arch -> (HFCausalLM loaded from a checkpoint dir, drafter, checkpoint dir), built on first use."""
-    built = {}
-
+    @functools.cache
     def get(arch):
-        if arch not in built:
-            path = tmp_path_factory.mktemp(arch)
-            build_hf(arch).save_pretrained(path)
-            model = load_target(path, native=False)
-            built[arch] = (model, bigram_drafter(model), path)
-        return built[arch]
+        path, _ = saved_models(f"adapter_{arch}", lambda: build_hf(arch))
+        model = load_target(path, native=False)
+        return model, bigram_drafter(model), path
 
     return get
 

@@ -3,6 +3,8 @@ written by transformers, and Llama with "llama3" and "linear" RoPE scaling, load
 through the host layers; their logits match transformers in fp32, AR's greedy output equals transformers'
 generate, a verified token's logits are its decode's bit for bit, and what the native model does not implement
 goes through transformers. A tiny GGUF file written here loads through transformers into the native model."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -49,17 +51,12 @@ def build_hf(arch: str, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(saved_models):
     """arch -> (transformers model, the native model load_target gives for its checkpoint)."""
-    built = {}
-
+    @functools.cache
     def get(arch):
-        if arch not in built:
-            path = tmp_path_factory.mktemp(arch)
-            hf = build_hf(arch)
-            hf.save_pretrained(path)
-            built[arch] = hf, load_target(path)
-        return built[arch]
+        path, hf = saved_models(f"native_{arch}", lambda: build_hf(arch))
+        return hf, load_target(path)
 
     return get
 

@@ -4,6 +4,7 @@ on CUDA a lane is a stream, so the backbone beside verification is a second stre
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -76,10 +77,16 @@ def grown_context(drafter, cache, batch: int):
 
 
 def markov_rows(head, logits: Tensor, r: Tensor, bonus: Tensor, rows, sampling: bool) -> tuple[Tensor, Tensor | None]:
-    """A Markov head (``Drafter.markov_head``) once per row b of logits [B, R1, n, V] with rows[b] = (temperature,
-    seed, Philox offset): (draft [B, n], q [B, n, V] when `sampling`, else None). A greedy row of a sampled batch
-    gets q one-hot at its draft token, which verification against its one-hot p accepts exactly when AR greedy
-    would. The Decoder's head with per-request options and the Speculator's with per-request streams both use it."""
+    """A Markov head (``Drafter.markov_head``) over logits [B, R1, n, V] at rows r [B] from bonus [B], with rows[b] =
+    (temperature, seed, Philox offset) of row b: (draft [B, n], q [B, n, V] when `sampling`, else None). Each row
+    draws what it would draw alone: one batched call when every row is greedy (no randomness), else one call per
+    row. A greedy row of a sampled batch gets q one-hot at its draft token, which verification against its one-hot
+    p accepts exactly when AR greedy would. The device backend's per-request options and the Speculator's
+    per-request streams both draft through it."""
+    if all(temp == 0 for temp, _, _ in rows):
+        draft, _ = head(logits, r, bonus, 0.0, 0, 0)
+        q = torch.nn.functional.one_hot(draft, logits.shape[-1]).float() if sampling else None
+        return draft, q
     drafts, qs = [], []
     for b, (temp, seed, offset) in enumerate(rows):
         draft, q = head(logits[b:b + 1], r[b:b + 1], bonus[b:b + 1], temp, seed, offset)
@@ -88,6 +95,17 @@ def markov_rows(head, logits: Tensor, r: Tensor, bonus: Tensor, rows, sampling: 
         drafts.append(draft)
         qs.append(q)
     return torch.cat(drafts), (torch.cat(qs) if sampling else None)
+
+
+@contextmanager
+def branch_selected(ring, slot: int, r, lane):
+    """Lane `lane`: ring slot `slot` with branch r [B] selected (after the backbone's ready event), released once the
+    body has read it. The round's head and the Speculator's both read a slot this way."""
+    ring.select(slot, r, lane=lane.core)
+    try:
+        yield
+    finally:
+        ring.release(slot, lane.record())
 
 
 class DeviceBackend(DraftingBackend):
@@ -174,11 +192,8 @@ class DeviceBackend(DraftingBackend):
         dec = self.dec
         self.settle()
         r, bonus = dec.outcome_rb(out)
-        dec.ring.select(out.slot, r.numpy(), lane=dec.head_lane.core)  # after the backbone's ready event
-        try:
+        with branch_selected(dec.ring, out.slot, r.numpy(), dec.head_lane):
             return self.draft_branch(out, dec.slots[out.slot], r, bonus)
-        finally:
-            dec.ring.release(out.slot, dec.head_lane.record())
 
     def draft_branch(self, out: Outcome, boundary: Tensor, r: Tensor, bonus: Tensor) -> tuple[Tensor, object]:
         """The one way this backend drafts from a slot [B, d+1, d, row]: branch r's logits (the ring's rows, or the
@@ -237,4 +252,5 @@ def _takes(fn, name: str) -> bool:
         return False
 
 
-__all__ = ["DeviceBackend", "LocalContext", "ROW_STREAM_SHIFT", "grown_context", "markov_rows", "reset_context_row"]
+__all__ = ["DeviceBackend", "LocalContext", "ROW_STREAM_SHIFT", "branch_selected", "grown_context", "markov_rows",
+           "reset_context_row"]

@@ -111,8 +111,8 @@ def _rope(d: dict) -> tuple[float, dict | None]:
 
 
 @dataclass
-class Qwen3Config:
-    """A native decoder's config (the name is Qwen3's, the model it began with; model_type says which family)."""
+class DecoderShape:
+    """The fields of a decoder-only LM's config that dpara_rt reads (drafter shapes, the engine, checks)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -126,6 +126,11 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     eos_token_id: list[int] = field(default_factory=list)
     model_type: str = MODEL_TYPE
+
+
+@dataclass
+class Qwen3Config(DecoderShape):
+    """A native decoder's config (the name is Qwen3's, the model it began with; model_type says which family)."""
     qk_norm: bool = True  # RMSNorm on each query and key head (Qwen3)
     qkv_bias: bool = False  # a bias on q_proj, k_proj, v_proj (Qwen2)
     rope_scaling: dict | None = None  # a "linear" or "llama3" rule, with its numbers

@@ -22,7 +22,7 @@ from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.host.linear import HostLinear, native_target
 from dpara_rt.host.qwen3 import HostQwen3
 from dpara_rt.models.kv_cache import KVCache
-from dpara_rt.models.qwen3 import RMSNorm, RopeTable, apply_rope, rope_inv_freq
+from dpara_rt.models.qwen3 import RMSNorm, RopeTable, WeightPlaced, apply_rope, rope_inv_freq
 from dpara_rt import ops
 from dpara_rt.ops import MAX_DRAFT, tree_attention
 
@@ -238,7 +238,7 @@ def dense_attend(ctx_visible: Tensor, block_visible: Tensor, scale: float) -> At
     return attend
 
 
-class Drafter(nn.Module):
+class Drafter(WeightPlaced, nn.Module):
     """DFlash backbone + DSpark Markov head. ``embed_tokens`` and ``lm_head`` are the target's, frozen,
     held by reference (not submodules: not in ``parameters()`` nor ``state_dict()``)."""
 
@@ -330,12 +330,8 @@ class Drafter(nn.Module):
 
     # ------------------------------------------------------------ building blocks
     @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+    def anchor_weight(self) -> Tensor:
+        return self.fc.weight
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         dev = self.device

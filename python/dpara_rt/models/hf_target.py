@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -28,30 +28,18 @@ from torch import Tensor, nn
 
 from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.config_check import check_config
+from dpara_rt.models.decoder_config import DecoderShape
 from dpara_rt.models.loader import CheckpointError, generation_eos, load_qwen3, resolve_device, resolve_dtype
 from dpara_rt.models.gguf import gguf_to_dir, is_gguf
-from dpara_rt.models.qwen3 import NATIVE_MODEL_TYPES, Qwen3Config
+from dpara_rt.models.qwen3 import NATIVE_MODEL_TYPES, Qwen3Config, WeightPlaced
 from dpara_rt.models.target import Target, TargetBase
 
 DEFAULT_MAX_POSITIONS = 4096  # when a config names no max_position_embeddings
 
 
 @dataclass
-class HFTargetConfig:
-    """The fields of a transformers config that dpara_rt reads (DrafterConfig.for_target, the engine, checks)."""
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
-    tie_word_embeddings: bool = False
-    eos_token_id: list[int] = field(default_factory=list)
+class HFTargetConfig(DecoderShape):
+    """A transformers config's fields that dpara_rt reads (any model_type: from_hf sets it)."""
 
     @classmethod
     def from_hf(cls, config, vocab_size: int, extra_eos: Sequence[int] = ()) -> "HFTargetConfig":
@@ -85,7 +73,7 @@ def _ids(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(WeightPlaced, nn.Module):
     """A transformers causal LM seen as a dpara_rt target model. ``hf`` is the wrapped model."""
 
     def __init__(self, hf_model: nn.Module):
@@ -119,12 +107,8 @@ class HFCausalLM(nn.Module):
         return self.hf.get_output_embeddings()
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+    def anchor_weight(self) -> Tensor:
+        return self.embed_tokens.weight
 
     def new_cache(self):
         """An empty cache for one row, able to roll back (sliding-window layers keep what a rollback needs)."""

@@ -22,7 +22,7 @@ from dpara_rt.models.decoder_config import (ARCHITECTURE, MODEL_TYPE, NATIVE_MOD
 from dpara_rt.models.kv_cache import KVCache
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "NATIVE_MODEL_TYPES", "Qwen3Config", "Qwen3ForCausalLM", "RMSNorm",
-           "RopeTable", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
+           "RopeTable", "WeightPlaced", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
@@ -167,7 +167,23 @@ def _copy_repeated_layers(features: Tensor | None, layer_ids: Sequence[int], cap
             features[:, j * hidden:(j + 1) * hidden] = features[:, capture[i]:capture[i] + hidden]
 
 
-class Qwen3ForCausalLM(nn.Module):
+class WeightPlaced:
+    """A module whose parameters share one dtype and device, read off `anchor_weight`."""
+
+    @property
+    def anchor_weight(self) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.anchor_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor_weight.device
+
+
+class Qwen3ForCausalLM(WeightPlaced, nn.Module):
     def __init__(self, config: Qwen3Config, device=None, dtype=None):
         super().__init__()
         self.config = config
@@ -198,12 +214,8 @@ class Qwen3ForCausalLM(nn.Module):
                 p.fill_(0.0 if name.endswith(".bias") else 1.0)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+    def anchor_weight(self) -> Tensor:
+        return self.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache: KVCache | None = None,
                 layer_ids: Sequence[int] = (), *, kv_len: int | None = None,

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from dpara_rt import _core, ops
 from dpara_rt.core import branch_rows, slot_tensor
-from dpara_rt.drafting.device import markov_rows
+from dpara_rt.drafting.device import branch_selected, markov_rows
 from dpara_rt.round.lanes import Lane
 from dpara_rt.round.decoder import is_int
 from dpara_rt.models.drafter import ContextCache, Drafter
@@ -406,13 +406,10 @@ class Speculator:
 
         def markov_head():
             slot = step.ring["slot"]
-            self.ring.select(slot, r_full, lane=lane.core)  # after the backbone's ready event
-            try:
+            with branch_selected(self.ring, slot, r_full, lane):
                 buf = self._slots[slot]
                 branch = branch_rows(buf[torch.tensor(slots, device=buf.device)], r)  # [B, d, V]: branch r of each
                 return self._markov(branch, bonus_t, head)
-            finally:
-                self.ring.release(slot, lane.record())
         self._post("markov_head", tuple(req.id for req in reqs), markov_head, fut)
 
     def _head_args(self, reqs: list[_Request]) -> list[tuple[float, int, int]]:
@@ -430,11 +427,8 @@ class Speculator:
         so a request's draws do not depend on its batch-mates; greedy rows of a sampled step get a one-hot q."""
         boundary = logits[:, None].contiguous()  # [B, 1, d, V]
         zeros = torch.zeros(len(head), dtype=torch.long)
-        if all(t == 0 for t, _, _ in head):
-            tokens, q = self._head(boundary, zeros, bonus, 0.0, 0, 0)
-        else:
-            tokens, q = markov_rows(self._head, boundary, zeros, bonus, head, sampling=True)
-        return tokens, q, self._lane_event()
+        sampling = any(t > 0 for t, _, _ in head)
+        return (*markov_rows(self._head, boundary, zeros, bonus, head, sampling), self._lane_event())
 
     def _lane_event(self):
         """On CUDA, an event after what the lane's stream has queued so far (the host's stream waits for it
@@ -544,9 +538,9 @@ class Speculator:
 
         def free():
             if "slot" in step.ring:
-                slot = step.ring["slot"]
-                self.ring.select(slot, np.zeros(self.max_requests, dtype=np.int64), lane=lane.core)
-                self.ring.release(slot, lane.record())
+                unread = np.zeros(self.max_requests, dtype=np.int64)
+                with branch_selected(self.ring, step.ring["slot"], unread, lane):
+                    pass  # nothing reads the slot: it only goes back to free
         self._post("release", (), free)
 
     def _surface(self) -> None:
