@@ -236,7 +236,8 @@ class Decoder:
         if draft.tokens is None:
             block = draft.bonus[:, None]
         else:
-            block = torch.cat([draft.bonus[:, None], draft.staged.long()], dim=1)
+            # the round state reads the block on the host: a device's staged draft comes back beside the bonus
+            block = torch.cat([draft.bonus[:, None], draft.staged.long().to(draft.bonus.device)], dim=1)
             if draft.staged is not draft.tokens:
                 self.release(self.target_lane, "draft", phase)
         staged = self._features_in_place(block.shape, phase)
