@@ -1,13 +1,15 @@
 """Host waits and op launches per steady-state round, per link, for ar / dspark / dpara, greedy and sampled, on the
 device backend through the torch path (DPARA_RT_OPS=torch, native target off): what a GPU's host would wait for
 and launch (dpara_rt.round.sync_guard). The pair is shaped like Qwen3-8B in depth (36 target layers, the drafter's
-5 feature layers and 1 layer) at tiny widths with random weights.
+5 feature layers and 1 layer) at tiny widths with random weights. Last, the Markov head's factor bytes a step
+reads at Qwen3-8B's vocabulary and the default rank, float32 against bf16 factors.
 
     python3 bench/host_waits.py [--layers 36] [--d 7] [--batch 2] [--tokens 48] [--sites]
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 
 os.environ["DPARA_RT_OPS"] = "torch"
@@ -15,6 +17,7 @@ os.environ["DPARA_RT_OPS"] = "torch"
 import torch  # noqa: E402
 
 from dpara_rt.engine import Engine  # noqa: E402
+from dpara_rt.kernels.markov_head import factor_bytes_per_step  # noqa: E402
 from dpara_rt.host.linear import native_target  # noqa: E402
 from dpara_rt.models.drafter import Drafter, DrafterConfig  # noqa: E402
 from dpara_rt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
@@ -74,6 +77,22 @@ def main(argv=None) -> None:
     print(f"\n{'method':<8}{'mode':<9}{'waits/round':>12}{'launches/round':>16}")
     for method, mode, waits, launches in summary:
         print(f"{method:<8}{mode:<9}{waits:>12.1f}{launches:>16.0f}")
+    markov_bytes(args.batch)
+
+
+QWEN3_VOCAB = 151936
+MARKOV_RANK = inspect.signature(DrafterConfig.for_target).parameters["markov_rank"].default
+
+
+def markov_bytes(batch: int, vocab: int = QWEN3_VOCAB, rank: int = MARKOV_RANK) -> None:
+    """The Markov head's factor bytes a step reads at Qwen3-8B's shape: Triton and the torch path read the
+    drafter's dtype (a float32 copy of bf16 factors reads twice as much)."""
+    print(f"\nMarkov head factors read per step, batch {batch}, V = {vocab}, R = {rank}:")
+    for dtype in (torch.float32, torch.bfloat16):
+        w1 = torch.empty(vocab, rank, dtype=dtype, device="meta")
+        w2 = torch.empty(rank, vocab, dtype=dtype, device="meta")
+        n = factor_bytes_per_step(w1, w2, batch)
+        print(f"  {str(dtype).replace('torch.', ''):<9}{n:>14,} bytes ({n / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":

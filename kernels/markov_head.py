@@ -16,9 +16,13 @@ import torch
 
 from ._argmax import argmax_update, reduce_split_argmax
 from ._rng import as_int32_bits, gumbel, gumbel_noise, split_u64
-from .triton_support import cdiv, check_device, dot_options, interpreting, kernel, load, next_pow2, num_sms
+from .triton_support import (cdiv, check_device, dot_options, interpreting, kernel, load, next_pow2, num_sms,
+                              on_device)
 
 tl = None  # bound to triton.language by triton_support.load()
+
+# torch.mm(a, b, out_dtype=torch.float32) of 16-bit operands: CUDA's cuBLAS from torch 2.8 (not ROCm's)
+_MM_TO_FLOAT32 = "dtype" in torch.ops.aten.mm.overloads() and torch.version.hip is None
 
 
 def inverse_temperature(temperature: float) -> float:
@@ -27,13 +31,18 @@ def inverse_temperature(temperature: float) -> float:
 
 
 def markov_head_reference(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int = 0, offset: int = 0):
-    """torch reference: (draft [B, d] long, q [B, d, V] float32 when temperature > 0 else None)."""
+    """torch reference: (draft [B, d] long, q [B, d, V] float32 when temperature > 0 else None).
+
+    The bias W1[x] @ W2 accumulates in float32 whatever the factors' dtype. 16-bit factors on CUDA stay 16-bit:
+    one GEMM with a float32 output reads W2 at 2 bytes an entry a step; elsewhere (and before torch 2.8) they are
+    widened once a call (16-bit products are exact in float32, so both agree up to summation order)."""
     batch, _, d, vocab = boundary.shape
     device = boundary.device
     rows = torch.arange(batch, device=device)
-    slot_r = r.to(device=device, dtype=torch.long)
-    x = bonus.to(device=device, dtype=torch.long)
-    w2f = w2.float()
+    slot_r = on_device(r, device, torch.long)
+    x = on_device(bonus, device, torch.long)
+    narrow = w2.dtype != torch.float32 and device.type == "cuda" and _MM_TO_FLOAT32
+    w2f = w2 if narrow else w2.float()
     sample = temperature > 0
     inv_t = inverse_temperature(temperature) if sample else 1.0
     draft = torch.empty(batch, d, dtype=torch.long, device=device)
@@ -43,7 +52,8 @@ def markov_head_reference(boundary, r, bonus, w1, w2, temperature: float = 0.0, 
         steps = torch.arange(d, device=device)
         noise = gumbel(((rows[:, None, None] * d + steps[None, :, None]) * vocab + cols), offset, seed)
     for j in range(d):
-        z = boundary[rows, slot_r, j].float() + w1[x].float() @ w2f
+        bias = torch.mm(w1[x], w2f, out_dtype=torch.float32) if narrow else w1[x].float() @ w2f
+        z = boundary[rows, slot_r, j].float() + bias
         if sample:
             z = z * inv_t
             q[:, j] = torch.softmax(z, dim=-1)
@@ -51,6 +61,12 @@ def markov_head_reference(boundary, r, bonus, w1, w2, temperature: float = 0.0, 
         x = z.argmax(dim=-1)
         draft[:, j] = x
     return draft, q
+
+
+def factor_bytes_per_step(w1, w2, batch: int) -> int:
+    """Bytes of the factors one step of the head reads: all of W2 (every column's bias) and W1's rows of the
+    batch's previous tokens. The boundary rows and q come on top."""
+    return w2.numel() * w2.element_size() + batch * w1.shape[1] * w1.element_size()
 
 
 # ---------------------------------------------------------------------------------------------- Triton
@@ -195,8 +211,8 @@ def markov_head_triton(boundary, r, bonus, w1, w2, temperature: float = 0.0, see
     chunk = cdiv(tiles, max(1, min(num_splits, tiles))) * cfg["BLOCK_V"]
     num_splits = cdiv(vocab, chunk)
     splits_pow2 = next_pow2(num_splits)
-    r_dev = r.to(device=device, dtype=torch.int32)
-    bonus_dev = bonus.to(device=device, dtype=torch.int32)
+    r_dev = on_device(r, device, torch.int32)
+    bonus_dev = on_device(bonus, device, torch.int32)
     draft = torch.empty(batch, d, dtype=torch.long, device=device)
     part_val = torch.empty(d, batch, num_splits, dtype=torch.float32, device=device)
     part_idx = torch.empty(d, batch, num_splits, dtype=torch.int32, device=device)

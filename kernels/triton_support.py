@@ -101,6 +101,12 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t as `dtype` on `device`, copied between devices only where it is elsewhere: a host tensor's synchronous
+    copy waits for the device, so callers upload small host inputs ahead (dpara_rt.ops.upload)."""
+    return t.to(dtype) if t.device == device else t.to(device=device, dtype=dtype)
+
+
 def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
     """(upcast, input_precision) for tl.dot on `dtype` operands.
 

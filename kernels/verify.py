@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._argmax import argmax_update, reduce_split_argmax
-from .triton_support import cdiv, check_device, interpreting, kernel, load, next_pow2, num_sms
+from .triton_support import cdiv, check_device, interpreting, kernel, load, next_pow2, num_sms, on_device
 
 tl = None  # bound to triton.language by triton_support.load()
 
@@ -23,7 +23,7 @@ def verify_greedy_reference(target_logits, draft):
     """torch reference: (accepted r [B] long, bonus [B] long)."""
     d = draft.shape[1]
     best = target_logits.argmax(dim=-1)
-    matched = (best[:, :d] == draft.to(best.device)).long()
+    matched = (best[:, :d] == on_device(draft, best.device, draft.dtype)).long()
     r = matched.cumprod(dim=1).sum(dim=1)
     return r, best.gather(1, r[:, None]).squeeze(1)
 
@@ -41,7 +41,7 @@ def verify_sample_reference(p, q, draft, u_accept, u_bonus):
     """torch reference: (accepted r [B] long, bonus [B] long)."""
     batch, d = draft.shape
     rows = torch.arange(batch, device=p.device)
-    tokens = draft.to(device=p.device, dtype=torch.long)
+    tokens = on_device(draft, p.device, torch.long)
     p_draft = p[:, :d].gather(-1, tokens[..., None]).squeeze(-1).float()
     q_draft = q.gather(-1, tokens[..., None]).squeeze(-1).float()
     accepted = u_accept.float() * q_draft < p_draft

@@ -13,8 +13,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from dpara_rt import ops  # noqa: E402
+from dpara_rt.host.native import HostMarkovHead  # noqa: E402
 from dpara_rt.kernels import _rng, triton_support  # noqa: E402
-from dpara_rt.kernels.markov_head import markov_head_reference, markov_head_triton  # noqa: E402
+from dpara_rt.kernels.markov_head import (factor_bytes_per_step, markov_head_reference,  # noqa: E402
+                                          markov_head_triton)
+from dpara_rt.models.drafter import Drafter, DrafterConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -190,3 +194,48 @@ def test_qwen3_vocab(temperature):
     assert torch.equal(draft, want)
     if temperature:
         torch.testing.assert_close(q, q_ref, atol=1e-7, rtol=1e-4)
+
+
+def _drafter(dtype, vocab=300, hidden=32, rank=16):
+    cfg = DrafterConfig(layer_ids=[0], target_hidden_size=hidden, hidden_size=hidden, num_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                        rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=vocab, block_size=4, markov_rank=rank)
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+    drafter = Drafter(cfg, embed.to(dtype), head.to(dtype)).eval().requires_grad_(False)
+    with torch.no_grad():
+        drafter.w1.normal_(std=1.0)
+        drafter.w2.normal_(std=rank ** -0.5)  # zero at initialisation: no bias to compare
+    return drafter
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_device_head_reads_the_drafters_own_factors(monkeypatch, dtype):
+    """Triton and the torch path draft with the drafter's factors as they are (bf16: half the bytes of a float32
+    copy a step) and accumulate in float32: the drafts of the float32 widening, q within 1e-6 + 1e-5 relative."""
+    monkeypatch.setenv("DPARA_RT_OPS", "torch")
+    drafter = _drafter(dtype).to(DEVICE)
+    head = drafter.markov_head()
+    assert isinstance(head, ops.BoundMarkovHead) and head.w2.dtype == dtype
+    assert head.w1.data_ptr() == drafter.w1.data_ptr() and head.w2.data_ptr() == drafter.w2.data_ptr()  # no copy
+    wide = drafter.markov_factors()  # the float32 widening the head read before
+    assert factor_bytes_per_step(*wide, 2) == factor_bytes_per_step(head.w1, head.w2, 2) * (4 // dtype.itemsize)
+    g = torch.Generator().manual_seed(4)
+    boundary = (torch.randn(2, 5, 4, 300, generator=g) * 3).to(DEVICE, dtype)
+    r, bonus = torch.tensor([3, 0]), torch.tensor([17, 250])
+    for temperature in (0.0, 0.8):
+        draft, q = head(boundary, r, bonus, temperature, seed=9, offset=2)
+        want, q_ref = markov_head_reference(boundary, r, bonus, *wide, temperature, 9, 2)
+        triton_draft, triton_q = markov_head_triton(boundary, r, bonus, head.w1, head.w2, temperature, 9, 2)
+        assert torch.equal(draft, want) and torch.equal(triton_draft, want)
+        if temperature:
+            if dtype == torch.float32 or DEVICE == "cpu":  # the same float32 arithmetic
+                assert torch.equal(q, q_ref)
+            torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(triton_q, q_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_a_bf16_drafter_on_the_host_drafts_with_the_native_float32_head(monkeypatch):
+    monkeypatch.delenv("DPARA_RT_OPS", raising=False)
+    head = _drafter(torch.bfloat16).markov_head()  # a CPU drafter: the host backend
+    assert isinstance(head, HostMarkovHead)

@@ -22,7 +22,8 @@ from dpara_rt.kernels.tree_attention import tree_attention_reference, tree_atten
 from dpara_rt.kernels.verify import (verify_greedy_reference, verify_greedy_triton, verify_sample_reference,
                                      verify_sample_triton)
 
-__all__ = ["backend", "upload", "tree_attention", "markov_head", "verify_greedy", "verify_sample", "MAX_DRAFT"]
+__all__ = ["backend", "upload", "tree_attention", "markov_head", "markov_head_for", "BoundMarkovHead",
+           "verify_greedy", "verify_sample", "MAX_DRAFT"]
 
 MAX_DRAFT = _core.MAX_DRAFT  # largest draft length d: the core owns the limit, the kernels follow it
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -195,11 +196,12 @@ def markov_head(boundary, r, bonus, w1, w2, temperature: float = 0.0, seed: int 
     native = chosen == "host" and boundary.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32
     if batch and not native and not checked:  # the native head checks every index itself, naming the value
         _in_range(("r", r, 0, n_slots), ("bonus", bonus, 0, vocab))
-    if chosen == "triton":
-        return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
     if native:
         return markov_head_native(boundary.contiguous(), r.cpu(), bonus.cpu(), w1.contiguous(), w2.contiguous(),
                                   float(temperature), int(seed), int(offset))
+    r, bonus = upload(r, boundary.device), upload(bonus, boundary.device)  # a round's outcome, from the host
+    if chosen == "triton":
+        return markov_head_triton(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
     return markov_head_reference(boundary, r, bonus, w1, w2, float(temperature), int(seed), int(offset))
 
 
@@ -217,15 +219,26 @@ def markov_bias_bytes(vocab: int) -> int:
     return table if table <= MARKOV_BIAS_TABLE_BYTES else MARKOV_BIAS_CACHE_BYTES
 
 
+class BoundMarkovHead:
+    """markov_head with its factors bound (Triton or the torch reference): they stay in the dtype given, and
+    a step reads W2 once at that width (``w2.nbytes``)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
+        self.w1, self.w2 = w1, w2
+
+    def __call__(self, boundary, r, bonus, temperature: float = 0.0, seed: int = 0, offset: int = 0,
+                 checked: bool = False):
+        return markov_head(boundary, r, bonus, self.w1, self.w2, temperature, seed, offset, checked)
+
+
 def markov_head_for(w1, w2):
     """markov_head(boundary, r, bonus, temperature, seed, offset) with these factors, for a caller that drafts
     with them every round (a decode). On the host it is the native head with the factors checked once and a bias
     cache kept across calls (native.HostMarkovHead). No greedy bound: every step of a head with a cache takes its
-    bias from the cache, so the bound would never be read. Elsewhere markov_head itself."""
+    bias from the cache, so the bound would never be read. Elsewhere markov_head itself (BoundMarkovHead)."""
     if backend(w1.device) == "host" and w1.device.type == "cpu" and w1.dtype == w2.dtype == torch.float32:
         return HostMarkovHead(w1.contiguous(), w2.contiguous(), cache_bytes=markov_bias_bytes(w1.shape[0]))
-    return lambda boundary, r, bonus, temperature=0.0, seed=0, offset=0, checked=False: markov_head(
-        boundary, r, bonus, w1, w2, temperature, seed, offset, checked)
+    return BoundMarkovHead(w1, w2)
 
 
 def _check_draft(draft, batch: int, d: int, vocab: int) -> None:

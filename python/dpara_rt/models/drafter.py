@@ -13,6 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from functools import lru_cache
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
 from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.host.linear import HostLinear, native_target
 from dpara_rt.host.qwen3 import HostQwen3
-from dpara_rt.models.kv_cache import KVCache
+from dpara_rt.models.kv_cache import KVCache, host_counts
 from dpara_rt.models.qwen3 import RMSNorm, RopeTable, WeightPlaced, apply_rope, rope_inv_freq
 from dpara_rt import ops
 from dpara_rt.ops import MAX_DRAFT, tree_attention
@@ -215,12 +216,12 @@ class ContextCache(KVCache):
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer i's K/V trimmed to the longest row (what attention needs)."""
-        n = int(self.lengths.max()) if self.lengths.numel() else 0
+        n = self.longest()
         return self.k[i, :, :, :n], self.v[i, :, :, :n]
 
     def layers(self) -> list[tuple[Tensor, Tensor]]:
         """Every layer's K/V trimmed to the longest row, the lengths read once."""
-        n = int(self.lengths.max()) if self.lengths.numel() else 0
+        n = self.longest()
         return [(self.k[i, :, :, :n], self.v[i, :, :, :n]) for i in range(self.k.shape[0])]
 
 
@@ -295,13 +296,14 @@ class Drafter(WeightPlaced, nn.Module):
     def markov_parameters(self) -> tuple[nn.Parameter, nn.Parameter]:
         return self.w1, self.w2
 
-    def markov_factors(self, enabled: bool = True) -> tuple[Tensor, Tensor]:
-        """(W1, W2) in fp32 for the Markov head kernels, which need rank >= 1: without a head (rank 0, or
-        ``enabled=False`` for plain DFlash drafting) a zero rank-1 pair, i.e. no bias."""
+    def markov_factors(self, enabled: bool = True, dtype: torch.dtype | None = torch.float32) -> tuple[Tensor, Tensor]:
+        """(W1, W2) in `dtype` (None: the drafter's own, no copy) for the Markov head kernels, which need rank >= 1:
+        without a head (rank 0, or ``enabled=False`` for plain DFlash drafting) a zero rank-1 pair, i.e. no bias."""
+        dtype = dtype or self.dtype
         if enabled and self.config.markov_rank:
-            return tuple(w.detach().float().contiguous() for w in self.markov_parameters)
-        v = self.config.vocab_size
-        return (torch.zeros(v, 1, device=self.device), torch.zeros(1, v, device=self.device))
+            return tuple(w.detach().to(dtype).contiguous() for w in self.markov_parameters)
+        v, dev = self.config.vocab_size, self.device
+        return torch.zeros(v, 1, dtype=dtype, device=dev), torch.zeros(1, v, dtype=dtype, device=dev)
 
     def __getstate__(self):  # pickled into a drafter worker process: the cached head is rebuilt where it is used
         state = self.__dict__.copy()
@@ -310,11 +312,15 @@ class Drafter(WeightPlaced, nn.Module):
 
     def markov_head(self, enabled: bool = True):
         """ops.markov_head_for(*markov_factors(enabled)): the head a decode drafts with, kept while the factors,
-        their device and the ops backend stay the same (building it converts W2 and, on the host, its bound)."""
+        their device and the ops backend stay the same (building it packs the host head's factors). The host
+        head takes float32 factors; Triton and the torch reference take the drafter's own (no copy) and accumulate
+        in float32, so a bf16 drafter's step reads W2 at half the bytes of a float32 copy."""
         key = (enabled, ops.backend(self.device), *((p.data_ptr(), p._version) for p in self.markov_parameters))
         cached = self.__dict__.get("_markov_head")
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_markov_head"] = (key, ops.markov_head_for(*self.markov_factors(enabled)))
+            host = key[1] == "host" and self.device.type == "cpu"
+            factors = self.markov_factors(enabled, torch.float32 if host else None)
+            cached = self.__dict__["_markov_head"] = (key, ops.markov_head_for(*factors))
         return cached[1]
 
     def move_to(self, device) -> "Drafter":
@@ -472,25 +478,26 @@ class Drafter(WeightPlaced, nn.Module):
             raise ValueError(f"features must be [B, T, F], got shape {tuple(features.shape)}")
         b, t, _ = features.shape
         self._check_cache(cache, b, "features")
-        n = torch.as_tensor(n, dtype=torch.long).cpu().reshape(-1)
-        if n.shape[0] != b or (n < 0).any() or (n > t).any():
-            raise ValueError(f"n={n.tolist()}: expected {b} counts in [0, {t}]")
-        new_len = cache.lengths + n
+        counts = host_counts(n)  # the counts and lengths are host memory: numpy, no torch op a round
+        if counts.shape[0] != b or (counts < 0).any() or (counts > t).any():
+            raise ValueError(f"n={counts.tolist()}: expected {b} counts in [0, {t}]")
+        lengths = cache.host_lengths
+        new_len = lengths + counts
         if (new_len > cache.max_len).any():
             raise ValueError(f"context cache overflow: lengths {new_len.tolist()} exceed max_len={cache.max_len}")
-        pos = (cache.lengths[:, None] + torch.arange(t)).clamp(max=cache.max_len - 1)  # rows >= n are dropped
-        if self._host_context(cache, features, n, pos):
-            cache.lengths.copy_(new_len)
+        pos = torch.from_numpy(np.minimum(lengths[:, None] + np.arange(t), cache.max_len - 1))  # rows >= n dropped
+        if self._host_context(cache, features, torch.from_numpy(counts), pos):
+            lengths[:] = new_len
             return
         dev = cache.k.device
         kv = self.context_kv(ops.upload(features, dev), pos)
-        rows, cols = (torch.arange(t)[None, :] < n[:, None]).nonzero(as_tuple=True)  # host counts: no device wait
-        dst = ops.upload(cache.lengths[rows] + cols, dev)
-        rows, cols = ops.upload(rows, dev), ops.upload(cols, dev)
+        rows, cols = np.nonzero(np.arange(t)[None, :] < counts[:, None])
+        dst = ops.upload(torch.from_numpy(lengths[rows] + cols), dev)
+        rows, cols = ops.upload(torch.from_numpy(rows), dev), ops.upload(torch.from_numpy(cols), dev)
         for i, (k, v) in enumerate(kv):
             cache.k[i, rows, :, dst] = k[rows, :, cols].to(cache.k.dtype)
             cache.v[i, rows, :, dst] = v[rows, :, cols].to(cache.v.dtype)
-        cache.lengths.copy_(new_len)
+        lengths[:] = new_len
 
     @torch.inference_mode()
     def crop(self, cache: ContextCache, lengths: Tensor | int) -> None:
@@ -570,8 +577,11 @@ class Drafter(WeightPlaced, nn.Module):
             ctx_kv = cache.layers()
             lc = ctx_kv[0][0].shape[2]
             dev = anchor.device
-            ctx_visible = (torch.arange(lc)[None, :] < cache.lengths[:, None])[:, None].expand(b, tokens.shape[1], lc)
-            attend = dense_attend(ctx_visible.to(dev), visible.to(dev), self.scale)
+            # built where attention runs from the uploaded lengths: no synchronous copy of a host mask
+            lens = ops.upload(cache.lengths, dev)
+            ctx_visible = (torch.arange(lc, device=dev)[None, :] < lens[:, None])[:, None]
+            ctx_visible = ctx_visible.expand(b, tokens.shape[1], lc)
+            attend = dense_attend(ctx_visible, ops.upload(visible, dev), self.scale)
             h = self.backbone(tokens, ops.upload(positions, dev), ctx_kv, attend, keep_from=p + lead)
         return self.logits(h)
 

@@ -7,6 +7,7 @@ the length.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,6 +33,20 @@ class KVCache:
                    config.head_dim, dtype, device)
 
     @property
+    def host_lengths(self) -> np.ndarray:
+        """lengths as a numpy array sharing their memory: checks and sums of a few host counts without torch ops
+        (each a call a host-wait count takes for a device read). Made once per lengths tensor."""
+        held = self.__dict__.get("_host_lengths")
+        if held is None or held[0] is not self.lengths:
+            held = self._host_lengths = (self.lengths, self.lengths.numpy())
+        return held[1]
+
+    def longest(self) -> int:
+        """The longest row's length, read from host memory."""
+        lengths = self.host_lengths
+        return int(lengths.max()) if lengths.size else 0
+
+    @property
     def batch(self) -> int:
         return self.k.shape[1]
 
@@ -52,11 +67,21 @@ class KVCache:
     def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor):
         """Store k, v [B, T, kv_heads, head_dim] of rows 0..B-1 at slots positions [B, T]."""
         B, T = positions.shape
-        rows = torch.arange(B, device=self.k.device)[:, None].expand(B, T)
-        pos = positions.to(self.k.device)
+        rows = self.row_index(B, T)
+        # positions come uploaded (a verify's, ahead of its forward): no per-layer copy, nor a call naming the device
+        pos = positions if positions.device == self.k.device else positions.to(self.k.device)
         # Advanced indices around a slice put the indexed dims first: target view is [B, T, heads, dim].
         self.k[layer][rows, :, pos] = k
         self.v[layer][rows, :, pos] = v
+
+    def row_index(self, batch: int, t: int) -> Tensor:
+        """Rows 0..batch-1 as an index [batch, t] on the cache's device, made once per shape: a forward writes
+        every layer with the same one (a launch a layer otherwise)."""
+        held = self.__dict__.get("_row_index")
+        if held is None or held.shape != (batch, t) or held.device != self.k.device:
+            with torch.inference_mode(False):  # usable outside inference mode too, as k and v are
+                held = self._row_index = torch.arange(batch, device=self.k.device)[:, None].expand(batch, t)
+        return held
 
     def window(self, layer: int, batch: int, kv_len: int) -> tuple[Tensor, Tensor]:
         """K, V views [batch, kv_heads, kv_len, head_dim] of the first kv_len slots."""
@@ -81,3 +106,11 @@ class KVCache:
             raise ValueError(f"crop to {lengths.tolist()} from {self.lengths.tolist()}: rows {bad} would grow "
                              "or go negative; crop only rolls back")
         self.lengths.copy_(lengths)
+
+
+def host_counts(n) -> np.ndarray:
+    """Per-row counts (a tensor, array or sequence) as int64 numpy [B]: host memory read in place, a device
+    tensor copied back once."""
+    if isinstance(n, Tensor):
+        n = n.numpy() if n.device.type == "cpu" else n.cpu().numpy()
+    return np.asarray(n, dtype=np.int64).reshape(-1)

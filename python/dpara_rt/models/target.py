@@ -20,13 +20,13 @@ from dpara_rt.host.native import all_finite, argmax_if_finite
 
 def argmax_on_host(logits: Tensor) -> Tensor | None:
     """logits.argmax(-1) [B, T] on the host, or None when a logit is NaN or infinite: the arg-max and the finiteness
-    flag computed where the logits are and read back in one copy (the host waits once, not three times)."""
+    flag computed where the logits are and read back in one call (the host waits once, not three times)."""
     lo, hi = torch.aminmax(logits)
     finite = (torch.isfinite(lo) & torch.isfinite(hi)).to(torch.long)
-    both = torch.cat([logits.argmax(-1).reshape(-1), finite.reshape(1)]).cpu()
+    both = torch.cat([logits.argmax(-1).reshape(-1), finite.reshape(1)]).tolist()  # B*T + 1 ints
     if not both[-1]:
         return None
-    return both[:-1].view(logits.shape[:-1])
+    return torch.tensor(both[:-1], dtype=torch.long).view(logits.shape[:-1])
 
 
 class TargetBase:

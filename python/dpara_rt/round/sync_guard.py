@@ -113,7 +113,7 @@ class HostWaits(_Tracked):
         link = self.link
         site = None
         if self.sites:
-            frames = traceback.extract_stack(limit=9)[:-3]
+            frames = traceback.extract_stack(limit=9)[:-2]  # less this frame and the patched method's
             inner = [f for f in frames if "/torch/" not in f.filename]
             f = (inner or frames)[-1]
             site = f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
