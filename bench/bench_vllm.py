@@ -1,7 +1,7 @@
 """vLLM (CPU build) without speculation, with its ngram proposer, and with DPara (dpara_rt.engines.vllm), on one
 target and one prompt set, in one run; prints tok/s, tau and the ratios to vLLM AR.
 
-    /work/venv_vllm/bin/python bench/bench_vllm.py [--prompts 4] [--max-tokens 64] [--d 7]
+    ../vllm-env/bin/python bench/bench_vllm.py [--prompts 4] [--max-tokens 64] [--d 7]
 
 Target: SmolLM2-135M-Instruct (GGUF, converted) with the trained drafter at
 python/dpara_rt/assets/smollm2/drafter/ when that exists (or --drafter DIR), else the random pair of

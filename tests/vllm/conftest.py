@@ -1,4 +1,4 @@
-"""vLLM tests: run with the vLLM environment's python (``/work/venv_vllm/bin/python -m pytest -q -m vllm
+"""vLLM tests: run with the vLLM environment's python (``../vllm-env/bin/python -m pytest -q -m vllm
 tests/vllm``). Where vLLM is not installed (the main environment) nothing here is collected, so the default
 ``pytest -q`` run neither collects nor skips them."""
 import importlib.util

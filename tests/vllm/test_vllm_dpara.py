@@ -5,7 +5,7 @@ A random Llama target (nearly a bigram model) and a drafter whose Markov head ho
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the tests can read the proposer's state; the others run as vLLM
 does by default (engine core and worker in their own processes: one in-process engine per test process, as
 closing one tears down the process's parallel groups, so they run first). Run with the vLLM environment's python:
-    /work/venv_vllm/bin/python -m pytest -q -m vllm tests/vllm
+    ../vllm-env/bin/python -m pytest -q -m vllm tests/vllm
 """
 from __future__ import annotations
 
