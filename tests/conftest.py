@@ -15,8 +15,17 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# tests/vllm runs with vLLM's own environment (docs/engines.md: python -m pytest -q -m vllm tests/vllm); elsewhere
+# it is not collected. With tests/ on sys.path that folder is itself a namespace package named "vllm": only a
+# regular package (one with an origin) is vLLM.
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is None or _vllm.origin is None:
+    collect_ignore = ["vllm"]
 
 # Before any test module is collected: some import triton (transformers models, the dflash reference), and the
 # Triton kernels can only run in the interpreter if it was asked for before triton's first import.
