@@ -35,18 +35,18 @@ def describe_files(root: str | os.PathLike, relpaths) -> dict[str, dict]:
     return {rel: {"sha256": file_sha256(root / rel), "bytes": (root / rel).stat().st_size} for rel in sorted(relpaths)}
 
 
-def read_manifest(root: str | os.PathLike = TINY_DIR) -> dict:
+def read_manifest(root: str | os.PathLike = TINY_DIR, fmt: str = MANIFEST_FORMAT,
+                  what: str = "embedded model manifest", hint: str = REGENERATE_HINT) -> dict:
+    """root's manifest.json, checked to be a `fmt` manifest with a 'files' table (its files are not read here)."""
     path = Path(root) / MANIFEST_NAME
     if not path.is_file():
-        raise AssetError(f"embedded model manifest {path} is missing; {REGENERATE_HINT}")
+        raise AssetError(f"{what} {path} is missing; {hint}")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AssetError(f"embedded model manifest {path} is not valid JSON ({e}); {REGENERATE_HINT}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
-            or not isinstance(manifest.get("files"), dict):
-        raise AssetError(f"embedded model manifest {path} is not a {MANIFEST_FORMAT!r} manifest with a 'files' "
-                         f"table; {REGENERATE_HINT}")
+        raise AssetError(f"{what} {path} is not valid JSON ({e}); {hint}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt or not isinstance(manifest.get("files"), dict):
+        raise AssetError(f"{what} {path} is not a {fmt!r} manifest with a 'files' table; {hint}")
     return manifest
 
 
@@ -61,15 +61,21 @@ def verify_assets(root: str | os.PathLike = TINY_DIR) -> dict:
     if unlisted:
         raise AssetError(f"embedded model files {unlisted} in {root} are not listed in the manifest, so they "
                          f"cannot be checked; {REGENERATE_HINT}")
-    for rel, entry in manifest["files"].items():
+    check_files(root, manifest["files"], "embedded model file", REGENERATE_HINT)
+    return manifest
+
+
+def check_files(root: Path, files: dict, what: str, hint: str) -> None:
+    """Every file a manifest lists ({relative path: {"sha256": ...}}) present and matching its digest; AssetError
+    naming the first one that is not (`what` names the kind of file, `hint` how to make it again)."""
+    for rel, entry in files.items():
         path = root / rel
         if not path.is_file():
-            raise AssetError(f"embedded model file {path} is missing; {REGENERATE_HINT}")
+            raise AssetError(f"{what} {path} is missing; {hint}")
         digest = file_sha256(path)
         if digest != entry.get("sha256"):
-            raise AssetError(f"embedded model file {path} is damaged: sha256 {digest[:16]}... differs from the "
-                             f"manifest's {str(entry.get('sha256'))[:16]}...; {REGENERATE_HINT}")
-    return manifest
+            raise AssetError(f"{what} {path} is damaged: sha256 {digest[:16]}... differs from the "
+                             f"manifest's {str(entry.get('sha256'))[:16]}...; {hint}")
 
 
 def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = None, drafter_dtype=None):
@@ -99,5 +105,5 @@ def load_tiny(device="cpu", dtype="float32", root: str | os.PathLike | None = No
     return tokenizer, target, drafter.eval()
 
 
-__all__ = ["AssetError", "MANIFEST_NAME", "TINY_DIR", "describe_files", "file_sha256", "load_tiny", "read_manifest",
-           "verify_assets"]
+__all__ = ["AssetError", "MANIFEST_NAME", "TINY_DIR", "check_files", "describe_files", "file_sha256", "load_tiny",
+           "read_manifest", "verify_assets"]

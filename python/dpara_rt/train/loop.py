@@ -92,9 +92,8 @@ def _check_inputs(drafter: Drafter, data: TrainData, d: int, eval_data: TrainDat
         if ds is not None and ds.layer_ids != drafter.config.layer_ids:
             raise ValueError(f"{name} data captured target layers {ds.layer_ids}; the drafter expects "
                              f"{drafter.config.layer_ids}")
-        if ds is not None and ds.logits.shape[-1] != drafter.config.vocab_size:
-            raise ValueError(f"{name} data has vocab {ds.logits.shape[-1]}; the drafter has "
-                             f"{drafter.config.vocab_size}")
+        if ds is not None:
+            ds.check_target(drafter.config.vocab_size, drafter.lm_head.weight.shape[1], name)
 
 
 def _usable(data: TrainData, layout: Layout) -> torch.Tensor:

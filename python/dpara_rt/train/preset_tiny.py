@@ -13,11 +13,8 @@ and only the drafter is trained again.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import platform
-import shlex
 import shutil
 import sys
 import tempfile
@@ -37,6 +34,7 @@ from dpara_rt.train.evaluate import estimate_tau
 from dpara_rt.train.loop import TrainConfig, train_stage1, train_stage2
 from dpara_rt.train.pretrain import PretrainConfig, evaluate_loss, heldout_windows, pretrain
 from dpara_rt.train.tokenizer import TOKENIZER_FILE, CodeTokenizer, build_tokenizer, corpus_streams
+from dpara_rt.train.preset_cli import manifest_head, preset_parser, run_preset
 
 CANONICAL_COMMAND = "dpara-rt train --preset tiny"
 MAX_WEIGHT_BYTES = 25 * 1000 * 1000
@@ -240,13 +238,8 @@ def run_tiny_preset(out_dir=TINY_DIR, target_minutes: float = 28.0, drafter_minu
     if weight_bytes > MAX_WEIGHT_BYTES:
         raise RuntimeError(f"embedded weights take {weight_bytes} bytes; the preset allows {MAX_WEIGHT_BYTES}")
     manifest = {
-        "format": MANIFEST_FORMAT,
-        "command": command or shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "regenerate_with": CANONICAL_COMMAND,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "tokenizers": __import__("tokenizers").__version__, "machine": platform.machine(),
-                        "threads": threads},
+        **manifest_head(MANIFEST_FORMAT, command, CANONICAL_COMMAND, threads,
+                        tokenizers=__import__("tokenizers").__version__),
         "layout": {"tokenizer": TOKENIZER_FILE, "target": "target", "drafter": "drafter"},
         "preset": asdict(preset),
         "budgets_minutes": {"target": target_minutes, "drafter": drafter_minutes},
@@ -278,25 +271,14 @@ def run_tiny_preset(out_dir=TINY_DIR, target_minutes: float = 28.0, drafter_minu
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpara_rt.train.preset_tiny", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(TINY_DIR), help="output directory (default: the package's assets/tiny)")
+    p = preset_parser("dpara_rt.train.preset_tiny", __doc__.split("\n")[0], str(TINY_DIR), threads=2)
     p.add_argument("--target-minutes", type=float, default=28.0)
     p.add_argument("--drafter-minutes", type=float, default=45.0)
     p.add_argument("--reuse-target", default=None, metavar="PAIR_DIR",
                    help="keep this pair's tokenizer and target; train only the drafter")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--work-dir", default=None, help="checkpoints (default: $TMPDIR/dpara_rt_tiny_work)")
-    p.add_argument("--resume", action="store_true", help="continue from the work directory's checkpoints")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = p.parse_args(argv)
-    command = shlex.join(["python", "-m", "dpara_rt.train.preset_tiny", *argv])
-    try:
-        run_tiny_preset(args.out, args.target_minutes, args.drafter_minutes, args.work_dir, args.threads,
-                        args.resume, command, reuse_target=args.reuse_target)
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_preset(p, argv, lambda args, command: run_tiny_preset(
+        args.out, args.target_minutes, args.drafter_minutes, args.work_dir, args.threads, args.resume, command,
+        reuse_target=args.reuse_target))
 
 
 if __name__ == "__main__":
