@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dpara_rt import ops
 from dpara_rt.models.kv_cache import KVCache
-from dpara_rt.models.qwen3 import Qwen3ForCausalLM
+from dpara_rt.models.qwen3 import Qwen3ForCausalLM, WeightPlaced
 from dpara_rt.host.native import all_finite, argmax_if_finite
 
 
@@ -29,12 +29,12 @@ def argmax_on_host(logits: Tensor) -> Tensor | None:
     return torch.tensor(both[:-1], dtype=torch.long).view(logits.shape[:-1])
 
 
-class TargetBase:
+class TargetBase(WeightPlaced):
     """The interface the engine and the methods use, with the checks every implementation shares.
 
-    A subclass sets ``model`` (with ``.config``, ``.dtype``, ``.device``), ``layer_ids``, ``batch`` (rows in use
-    since the last start()) and ``_last_t`` (T of the last verify: the most a commit may keep), and provides
-    max_len, max_batch, lengths, start, verify, commit and reserve."""
+    A subclass sets ``model`` (a WeightPlaced model with ``.config``), ``layer_ids``, ``batch`` (rows in use since
+    the last start()) and ``_last_t`` (T of the last verify: the most a commit may keep), and provides max_len,
+    max_batch, lengths, start, verify, commit and reserve."""
 
     model = None
     layer_ids: list[int]
@@ -53,12 +53,8 @@ class TargetBase:
         return self.model.config
 
     @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
+    def anchor_weight(self) -> Tensor:
+        return self.model.anchor_weight
 
     @property
     def feature_dim(self) -> int:
