@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dpara_rt.engine import Engine
+from dpara_rt.engines.random_pair import hold_bigram_table
 from dpara_rt.methods import METHODS, VARIANTS, variant
 from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.hf_target import HFCausalLM, HFTarget, load_target, make_target
@@ -54,12 +55,7 @@ def bigram_drafter(model, seed: int = 1) -> Drafter:
     drafter = Drafter(dcfg, model.embed_tokens, model.lm_head)
     torch.manual_seed(seed)
     drafter.reset_parameters()
-    with torch.no_grad():
-        big = model.hf(input_ids=torch.arange(VOCAB)[:, None]).logits[:, 0].float()
-        big = (big - big.mean(-1, keepdim=True)) / big.std(-1, keepdim=True)
-        drafter.w1.copy_(big * 6.0)
-        drafter.w2.copy_(torch.eye(VOCAB))
-    return drafter.eval().requires_grad_(False)
+    return hold_bigram_table(drafter, model.hf).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")

@@ -192,12 +192,12 @@ def test_user_turns_are_cleaned_and_eval_prompts_excluded(tmp_path):
 
 def test_shipped_training_prompts_are_not_evaluation_prompts():
     from dpara_rt.assets.smollm2 import PROMPTS_NAME, SMOLLM2_DIR
-    from dpara_rt.train.preset_smollm2 import EVALSETS_DIR
+    from dpara_rt.train import preset_smollm2
 
     from dpara_rt.evalsets import EVALSET_DIR, EVALSETS, load_evalset
 
-    assert EVALSETS_DIR == EVALSET_DIR
-    evals = sd.eval_prompt_texts(EVALSETS_DIR)
+    assert preset_smollm2.EVALSET_DIR == EVALSET_DIR  # the preset checks training prompts against the shipped sets
+    evals = sd.eval_prompt_texts(EVALSET_DIR)
     loaded = {p for name in EVALSETS for p in load_evalset(name)}
     assert loaded and loaded <= evals  # what the evaluation runs is among what training was checked against
     prompts = sd.load_prompts(SMOLLM2_DIR / PROMPTS_NAME)

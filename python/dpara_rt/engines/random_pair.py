@@ -45,13 +45,21 @@ def bigram_drafter(hf, layer_ids=(1, 5), num_layers: int = 1, block_size: int = 
     drafter = Drafter(dcfg, hf.model.embed_tokens, hf.lm_head)
     torch.manual_seed(seed)
     drafter.reset_parameters()
-    with torch.no_grad():
-        ids = torch.arange(c.vocab_size)[:, None]
-        big = hf(input_ids=ids).logits[:, 0].float()
-        big = (big - big.mean(-1, keepdim=True)) / big.std(-1, keepdim=True)
-        drafter.w1.copy_(big * 6.0)
-        drafter.w2.copy_(torch.eye(c.vocab_size))
-    return drafter.eval().requires_grad_(False)
+    return hold_bigram_table(drafter, hf).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def hold_bigram_table(drafter: Drafter, hf) -> Drafter:
+    """Set the drafter's Markov head to the bigram table of ``hf`` (a transformers causal LM): W1 holds hf's logits
+    after each lone token, standardised and scaled by 6, W2 the identity (markov_rank must equal the vocabulary)."""
+    v, rank = drafter.config.vocab_size, drafter.config.markov_rank
+    if rank != v:
+        raise ValueError(f"markov_rank={rank}: a bigram table needs markov_rank = vocab_size = {v}")
+    big = hf(input_ids=torch.arange(v)[:, None]).logits[:, 0].float()
+    big = (big - big.mean(-1, keepdim=True)) / big.std(-1, keepdim=True)
+    drafter.w1.copy_(big * 6.0)
+    drafter.w2.copy_(torch.eye(v))
+    return drafter
 
 
 def write_random_pair(root: str | os.PathLike, seed: int = 0, drafter_layers: int = 1,

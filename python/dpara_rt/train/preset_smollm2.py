@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dpara_rt.assets import describe_files
+from dpara_rt.evalsets import EVALSET_DIR
 from dpara_rt.assets.smollm2 import (DRAFTER_DIR_NAME, MANIFEST_FORMAT, PROMPTS_NAME, SMOLLM2_DIR,
                                      load_smollm2_pair, load_smollm2_target)
 from dpara_rt.models.autoregressive import generate_ar
@@ -41,7 +42,6 @@ from dpara_rt.train.preset_cli import manifest_head, preset_parser, run_preset
 CANONICAL_COMMAND = "python -m dpara_rt.train.preset_smollm2 --out python/dpara_rt/assets/smollm2"
 MAX_DRAFTER_BYTES = 25 * 1000 * 1000
 SAVE_DTYPE = torch.bfloat16
-EVALSETS_DIR = SMOLLM2_DIR.parent / "evalsets"
 
 
 @dataclass
@@ -135,7 +135,7 @@ def build_data(target_model, tokenizer, preset: SmolLM2Preset, layer_ids, work: 
     spent = prog.get("wall_s", 0.0)
     t0 = time.perf_counter()
     prompts_file = work / "prompts.jsonl"
-    exclude = sd.eval_prompt_texts(EVALSETS_DIR) if EVALSETS_DIR.is_dir() else set()
+    exclude = sd.eval_prompt_texts(EVALSET_DIR)
     if resume and prompts_file.is_file():
         prompts = sd.load_prompts(prompts_file)
     else:
@@ -173,11 +173,9 @@ def build_data(target_model, tokenizer, preset: SmolLM2Preset, layer_ids, work: 
     train = TrainData.cat([TrainData.load(data_dir / f"train_{i:04d}.safetensors") for i in range(shards)])
     heldout = TrainData.load(ho_file)
     used = heldout_p + train_p[:shards * preset.shard_size]
-    if EVALSETS_DIR.is_dir():  # the evaluation sets may have appeared since the prompts were written
-        exclude = sd.eval_prompt_texts(EVALSETS_DIR)
     clashes = sum(1 for p in used if p.text in exclude or p.text.strip() in exclude)
     if clashes:
-        _log(f"warning: {clashes} prompts used for training equal evaluation prompts in {EVALSETS_DIR}")
+        _log(f"warning: {clashes} prompts used for training equal evaluation prompts in {EVALSET_DIR}")
     gen_tokens = int((train.lengths - train.prompt_lens).sum())
     summary = {"train_sequences": len(train), "heldout_sequences": len(heldout), "shards": shards,
                "sampled_shards": sum(1 for i in range(shards) if preset.sampled_every
