@@ -28,6 +28,7 @@ from profile_round import profile_method, report  # bench/, beside this script
 
 # One GPU: both lanes are streams of it, so the parallel methods run colocated.
 METHODS = ("ar", "dspark", "psd-pearl", "dpara-single")
+EAGER_TOO = ("ar", "dpara-single")  # also timed with verify_mode="eager"
 
 
 def build_random(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype):
@@ -86,8 +87,10 @@ def run_random(args) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     for batch in map(int, args.batches.split(",")):
         prompts = [torch.randint(1, args.vocab, (256,), generator=g).tolist() for _ in range(batch)]
-        for name in METHODS:
-            kw = dict(variant(name), placement="colocated")
+        # the verify captured as CUDA graphs (the default) and eager beside it, for AR and DPara
+        runs = [(name, "graphs") for name in METHODS] + [(name, "eager") for name in EAGER_TOO]
+        for name, mode in runs:
+            kw = dict(variant(name), placement="colocated", verify_mode=mode)
             try:
                 eng = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=7, max_batch=batch, **kw)
                 try:
@@ -96,12 +99,14 @@ def run_random(args) -> list[dict]:
                 finally:
                     eng.close()
             except Exception as e:
-                _failed("random", name, batch, e)
-                rows.append(dict(pair="random", method=name, batch=batch, error=f"{type(e).__name__}: {e}"))
+                _failed("random", f"{name} ({mode})", batch, e)
+                rows.append(dict(pair="random", method=name, verify_mode=mode, batch=batch,
+                                 error=f"{type(e).__name__}: {e}"))
                 continue
-            if args.profile and batch == 1:  # where the round's time goes, per phase and operator
+            if args.profile and batch == 1 and mode == "graphs":  # where the round's time goes, per phase and operator
                 print(report(profile_method(name, target, drafter, prompts, batch, 7, 8, top=6, placement="colocated")), flush=True)
-            row = dict(pair="random", method=name, batch=batch, tokens_per_s=st.tokens_per_s, tau=st.tau,
+            row = dict(pair="random", method=name, verify_mode=mode, batch=batch, tokens_per_s=st.tokens_per_s,
+                       tau=st.tau,
                        verify_ms=st.verify_ms, exposed_draft_ms=st.exposed_draft_ms, backbone_ms=st.backbone_ms,
                        markov_head_ms=st.markov_head_ms, overlap_efficiency=st.overlap_efficiency,
                        fallback_rate=st.fallback_rate)

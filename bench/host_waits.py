@@ -47,18 +47,21 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--tokens", type=int, default=48, help="new tokens per request")
     p.add_argument("--sites", action="store_true", help="also print where each wait is called")
+    p.add_argument("--verify-mode", default="static", choices=("static", "eager"),
+                   help="the target's verify: static (what a CUDA device captures as graphs) or eager")
     args = p.parse_args(argv)
     native_target(False)
     torch.set_num_threads(1)
     target, drafter = tiny_pair(args.layers, args.d)
     prompts = [[3 + i, 17, 29 + i, 5] for i in range(args.batch)]
-    print(f"target {args.layers} layers, drafter 1 layer, d = {args.d}, batch {args.batch}, torch {torch.__version__}; "
-          "steady-state rounds (past the first two, before the last)")
+    print(f"target {args.layers} layers, drafter 1 layer, d = {args.d}, batch {args.batch}, verify {args.verify_mode}, "
+          f"torch {torch.__version__}; steady-state rounds (past the first two, before the last)")
     summary = []
     for sampled in (False, True):
         for method in METHODS:
             eng = Engine(target, drafter if method != "ar" else None, method=method, d=args.d, drafting="device",
-                         drafter_worker="thread", temperature=1.0 if sampled else 0.0, placement="colocated")
+                         drafter_worker="thread", temperature=1.0 if sampled else 0.0, placement="colocated",
+                         verify_mode=args.verify_mode)
             eng.generate(prompts, 8)
             with HostWaits(sites=args.sites) as w:
                 eng.generate(prompts, args.tokens, seed=1)

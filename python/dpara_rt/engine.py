@@ -10,7 +10,10 @@ of one GPU, or two host lanes sharing one core). With ``split`` on the host, DPa
 worker process (``drafter_worker``: "auto", "process" or "thread"; see dpara_rt.host.context) that the engine
 starts at its first DPara decode and ``close()`` stops. ``drafting`` picks the drafting backend
 (dpara_rt.drafting): "device" (torch and Triton on any device), "host" (a CPU drafter: the worker process and the
-host's other mechanisms, python/dpara_rt/host/README.md) or "auto" (host for a CPU drafter, else device). The
+host's other mechanisms, python/dpara_rt/host/README.md) or "auto" (host for a CPU drafter, else device).
+``verify_mode`` picks how the native target verifies (models/target.py): "auto" captures a CUDA graph per verify
+shape on a CUDA device and runs eagerly elsewhere; "eager" never captures (debugging); "static" runs the graphs'
+static-shape step eagerly. The
 constructor's sampling arguments are defaults; each call may override them. Sampling draws from temperature, then
 top-k (0 = off), then top-p (1 = off) with every method: speculative verification uses the same truncated target
 distribution as AR, so it stays lossless.
@@ -68,7 +71,7 @@ class Engine:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  max_batch: int = MAX_BATCH, max_len: int | None = None, eos_ids: Sequence[int] | None = None,
                  psd_policy: str = "pearl", ssd_fanout: int = 4, dpara_ring: str = "auto", threads_per_lane: int = 1,
-                 drafter_worker: str = "auto", drafting: str = "auto"):
+                 drafter_worker: str = "auto", drafting: str = "auto", verify_mode: str = "auto"):
         if method != AUTO and method not in METHODS:
             raise ValueError(f"method {method!r}; expected one of {(*METHODS, AUTO)}")
         if not is_int(max_batch) or max_batch < 1:
@@ -116,7 +119,7 @@ class Engine:
             self.drafter.warn_untrained(self.defaults.d, stacklevel=2)
         layer_ids = drafter.config.layer_ids if self.drafter is not None else ()
         self.fixed_max_len = max_len
-        self.target = make_target(target, max_batch, max_len or _CACHE_GRANULE, layer_ids)
+        self.target = make_target(target, max_batch, max_len or _CACHE_GRANULE, layer_ids, verify_mode)
         parallel = method == AUTO or METHODS[method].parallel
         self.lanes = make_lanes(target.device, self.drafter.device if self.drafter is not None else target.device,
                                 placement, parallel, threads_per_lane)

@@ -300,15 +300,19 @@ def load_target(path, device="cpu", dtype=None, native: bool = True):
     return model
 
 
-def make_target(model, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
-    """The speculation-facing target for `model`: HFTarget for an HFCausalLM, Target for the native model."""
+def make_target(model, max_batch: int, max_len: int, layer_ids: Sequence[int] = (), verify_mode: str = "auto"):
+    """The speculation-facing target for `model`: HFTarget for an HFCausalLM, Target for the native model (whose
+    verify runs in `verify_mode`, Target's; a transformers model runs its own forward: "auto" or "eager")."""
     if isinstance(model, HFCausalLM):
+        if verify_mode not in ("auto", "eager"):
+            raise ValueError(f"verify_mode {verify_mode!r} needs the native model; {model.config.model_type!r} "
+                             "runs through transformers (expected 'auto' or 'eager')")
         return HFTarget(model, max_batch, max_len, layer_ids)
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(model, transformers.PreTrainedModel):
         raise ValueError(f"target is a bare transformers {type(model).__name__}; expected it wrapped as "
                          "HFCausalLM(model) (or loaded with dpara_rt.models.hf_target.load_target)")
-    return Target(model, max_batch, max_len, layer_ids)
+    return Target(model, max_batch, max_len, layer_ids, verify_mode)
 
 
 __all__ = ["HFCausalLM", "HFTarget", "HFTargetConfig", "load_target", "make_target"]

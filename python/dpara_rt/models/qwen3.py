@@ -243,7 +243,8 @@ class Qwen3ForCausalLM(WeightPlaced, nn.Module):
         B = input_ids.shape[0]
         if self.inv_freq.dtype != torch.float32 or self.inv_freq.device != self.device:
             self.reset_rope()  # module.to(dtype) casts buffers too; RoPE frequencies must stay fp32
-        positions = positions.to(self.inv_freq.device)
+        if positions.device != self.inv_freq.device:
+            positions = positions.to(self.inv_freq.device)
         if cache is not None:
             cache.check_compatible(B, self.dtype)
             kv_len = int(positions.max()) + 1 if kv_len is None else kv_len

@@ -15,18 +15,15 @@ from torch import Tensor
 from dpara_rt import ops
 from dpara_rt.models.kv_cache import KVCache
 from dpara_rt.models.qwen3 import Qwen3ForCausalLM, WeightPlaced
+from dpara_rt.models.static_verify import STATIC_MODES, StaticVerify, pack_verified, unpack_verified
 from dpara_rt.host.native import all_finite, argmax_if_finite
 
 
 def argmax_on_host(logits: Tensor) -> Tensor | None:
     """logits.argmax(-1) [B, T] on the host, or None when a logit is NaN or infinite: the arg-max and the finiteness
     flag computed where the logits are and read back in one call (the host waits once, not three times)."""
-    lo, hi = torch.aminmax(logits)
-    finite = (torch.isfinite(lo) & torch.isfinite(hi)).to(torch.long)
-    both = torch.cat([logits.argmax(-1).reshape(-1), finite.reshape(1)]).tolist()  # B*T + 1 ints
-    if not both[-1]:
-        return None
-    return torch.tensor(both[:-1], dtype=torch.long).view(logits.shape[:-1])
+    B, T = logits.shape[:2]
+    return unpack_verified(pack_verified(logits), B, T, tokens=False)[1]
 
 
 class TargetBase(WeightPlaced):
@@ -88,6 +85,15 @@ class TargetBase(WeightPlaced):
             return logits, feats, argmax_if_finite(logits)
         return logits, feats, argmax_on_host(logits)
 
+    block_on_device = False  # whether verify_block takes a block built on the target's device (a static verify)
+
+    def verify_block(self, block: Tensor, features_out: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """verify_argmax(block), and the block on the host (the round state reads it): block [B, T] long, on the host,
+        or where the target computes when ``block_on_device``."""
+        logits, feats, argmax = self.verify_argmax(block, features_out)
+        return logits, feats, argmax, block
+
     @staticmethod
     def _finite_prefill(logits: Tensor, rows: Sequence[int]) -> Tensor:
         """The prefill's last logits ([len(rows), V] or [V] for one row), checked: each request's first token is
@@ -148,15 +154,37 @@ class TargetBase(WeightPlaced):
         return torch.zeros(B, T, 0, dtype=self.dtype, device=self.device)
 
 
+VERIFY_MODES = ("auto", "eager", *STATIC_MODES)
+
+
 class Target(TargetBase):
-    def __init__(self, model: Qwen3ForCausalLM, max_batch: int, max_len: int, layer_ids: Sequence[int] = ()):
+    """The native model as a target. ``verify_mode``: "eager" (positions uploaded by the host, the window the longest
+    row needs), "static" / "graphs" (models/static_verify.py: static shapes, positions from device lengths; "graphs"
+    captures a CUDA graph per shape on a CUDA device) or "auto" (graphs on CUDA, eager elsewhere)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, max_batch: int, max_len: int, layer_ids: Sequence[int] = (),
+                 verify_mode: str = "auto"):
+        if verify_mode not in VERIFY_MODES:
+            raise ValueError(f"verify_mode {verify_mode!r}; expected one of {VERIFY_MODES}")
         self.layer_ids = self._layer_ids(layer_ids, model.config.num_hidden_layers)
         self.model = model
-        self.cache = KVCache.for_model(model.config, max_batch, max_len, model.dtype, model.device)
-        self._lengths = self.cache.lengths.numpy()  # the committed lengths as numpy, made once (commit runs each round)
-        self.batch = 0          # rows in use since the last start()
+        self.verify_mode = ("graphs" if model.device.type == "cuda" else "eager") if verify_mode == "auto" \
+            else verify_mode
+        self._new_cache(max_batch, max_len)
         self._last_t = 0        # T of the last verify: the most a commit may keep
         self._plan = None       # this decode's verify as one core call (verify_argmax), bound by start()
+
+    def _new_cache(self, max_batch: int, max_len: int) -> None:
+        self.cache = KVCache.for_model(self.config, max_batch, max_len, self.model.dtype, self.model.device)
+        self._lengths = self.cache.lengths.numpy()  # the committed lengths as numpy, made once (commit runs each round)
+        self.batch = 0          # rows in use since the last start()
+        # this cache's static verify steps (their graphs hold its storage); None when eager
+        self._static = (StaticVerify(self.model, self.cache, self.layer_ids, self.verify_mode)
+                        if self.verify_mode in STATIC_MODES else None)
+
+    def _lengths_changed(self) -> None:
+        if self._static is not None:
+            self._static.lengths_changed()
 
     @property
     def max_len(self) -> int:
@@ -169,9 +197,8 @@ class Target(TargetBase):
     def reserve(self, max_len: int) -> None:
         """Grow the KV cache to hold `max_len` tokens per row (no-op when it already does)."""
         if max_len > self.cache.max_len:
-            self.cache = KVCache.for_model(self.config, self.max_batch, max_len, self.model.dtype, self.device)
-            self._lengths = self.cache.lengths.numpy()
-            self.batch, self._last_t, self._plan = 0, 0, None
+            self._new_cache(self.max_batch, max_len)
+            self._last_t, self._plan = 0, None
 
     @property
     def lengths(self) -> Tensor:
@@ -195,6 +222,7 @@ class Target(TargetBase):
         self.batch, self._last_t = B, 0
         self.cache.reset()
         self.cache.lengths[:B] = prompt_lens
+        self._lengths_changed()
         # bound after the prefill's forward, which checked the layers against their packed copies
         self._plan = self.model.verify_plan(self.cache, self.layer_ids)
         valid = (positions < prompt_lens[:, None]).to(dev)
@@ -206,6 +234,7 @@ class Target(TargetBase):
         self._check_grow(batch)
         self.cache.lengths[self.batch:batch] = 0
         self.batch = batch
+        self._lengths_changed()
 
     @torch.no_grad()
     def prefill_row(self, b: int, prompt: list[int]) -> tuple[Tensor, Tensor]:
@@ -217,6 +246,7 @@ class Target(TargetBase):
         logits, feats = self.model(ids, torch.arange(T, device=dev)[None], self.cache.rows(b, b + 1), self.layer_ids,
                                    kv_len=T, logits_index=torch.tensor([T - 1], device=dev))
         self.cache.lengths[b] = T
+        self._lengths_changed()
         self._plan = self.model.verify_plan(self.cache, self.layer_ids)  # the layers as this forward checked them
         return self._finite_prefill(logits[0, 0], [b]), self._features(feats, 1, T)[0]
 
@@ -226,6 +256,10 @@ class Target(TargetBase):
         Returns (logits [B, T, V] fp32, features [B, T, F])."""
         tokens = self._check_verify(tokens, self._lengths[: self.batch])
         B, T = tokens.shape
+        if self._static is not None:
+            logits, feats, _ = self._static.run(tokens, int(self._lengths[:B].max()))
+            self._last_t = T
+            return logits, self._features(feats, B, T)
         # numpy for these [B] vectors: this runs every round, right after the last round evicted the caches
         lengths = self._lengths[:B]
         positions = ops.upload(torch.from_numpy(lengths[:, None] + np.arange(T)), self.device)
@@ -238,6 +272,8 @@ class Target(TargetBase):
     def verify_argmax(self, tokens: Tensor, features_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """TargetBase.verify_argmax; with the decode's verify plan, one core call from token ids to the logits, the
         features (straight into features_out) and the arg-max, the positions taken from the committed lengths."""
+        if self._static is not None:
+            return self.verify_block(tokens, features_out)[:3]
         plan = self._plan
         if plan is None or not (isinstance(tokens, Tensor) and tokens.dtype == torch.long and tokens.dim() == 2
                                 and tokens.is_contiguous() and tokens.device.type == "cpu"):
@@ -258,11 +294,32 @@ class Target(TargetBase):
         self._last_t = T
         return logits, features_out, (argmax if finite else None)
 
+    @property
+    def block_on_device(self) -> bool:
+        return self._static is not None
+
+    def verify_block(self, block: Tensor, features_out: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """TargetBase.verify_block; a static verify reads the block back with the arg-max, in one copy."""
+        if self._static is None:
+            return super().verify_block(block, features_out)
+        block = self._check_verify(block, self._lengths[: self.batch])
+        B, T = block.shape
+        logits, feats, packed = self._static.run(block, int(self._lengths[:B].max()))
+        self._last_t = T
+        feats = self._features(feats, B, T)
+        if features_out is not None:
+            features_out.copy_(feats)
+            feats = features_out
+        host_block, argmax = unpack_verified(packed, B, T, tokens=True)
+        return logits, feats, argmax, host_block
+
     def commit(self, n: Tensor | np.ndarray):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
         n = self._check_commit(n)
         self._lengths[: self.batch] += n
         self._last_t = 0
+        self._lengths_changed()
 
     def _features(self, feats: Tensor | None, B: int, T: int) -> Tensor:
         if feats is None:

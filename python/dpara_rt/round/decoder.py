@@ -230,18 +230,23 @@ class Decoder:
 
     def verify(self, draft: Draft) -> Verified:
         """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
-        draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
-        self.chain.hand_over()  # the last round's tokens: the consumer takes them while the target computes
         phase = draft.round % 2
-        if draft.tokens is None:
-            block = draft.bonus[:, None]
+        if self.target.block_on_device and draft.tokens is not None:
+            # the block is built where the target computes, after the head lane's event: the host reads it back
+            # with the arg-max, in the verify's one copy, and never waits for the head
+            self.target_lane.wait(draft.ready)
+            self.chain.hand_over()  # the last round's tokens: the consumer takes them while the target computes
+            dev = draft.staged.device
+            block = torch.cat([ops.upload(draft.bonus[:, None], dev), draft.staged.long()], dim=1)
         else:
-            # the round state reads the block on the host: a device's staged draft comes back beside the bonus
-            block = torch.cat([draft.bonus[:, None], draft.staged.long().to(draft.bonus.device)], dim=1)
-            if draft.staged is not draft.tokens:
-                self.release(self.target_lane, "draft", phase)
+            draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
+            self.chain.hand_over()
+            block = draft.bonus[:, None] if draft.tokens is None else \
+                torch.cat([draft.bonus[:, None], draft.staged.long().to(draft.bonus.device)], dim=1)
+        if draft.tokens is not None and draft.staged is not draft.tokens:
+            self.release(self.target_lane, "draft", phase)
         staged = self._features_in_place(block.shape, phase)
-        logits, feats, argmax = self.target.verify_argmax(block, staged)
+        logits, feats, argmax, block = self.target.verify_block(block, staged)
         if argmax is None:
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
                                      "expected finite logits (a damaged model or an overflow in its dtype)")

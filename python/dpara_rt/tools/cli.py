@@ -208,6 +208,10 @@ def _method_and_pair(args) -> dict:
     return kw
 
 
+def _verify_mode(args) -> str:
+    return "eager" if args.eager else "auto"
+
+
 def cmd_generate(args):
     from dpara_rt.serving.text import TextGenerator, TextTokenizer
     kw = _method_and_pair(args)
@@ -220,7 +224,8 @@ def cmd_generate(args):
     bad = [t for t in args.stop_id or () if t >= vocab]
     if bad:
         raise CliError(f"--stop-id {bad[0]} is outside the target's vocabulary (ids 0..{vocab - 1})")
-    engine_kw = dict(d=args.d, temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_batch=1)
+    engine_kw = dict(d=args.d, temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_batch=1,
+                     verify_mode=_verify_mode(args))
     if args.top_k is not None:
         engine_kw["top_k"] = args.top_k
     gen = TextGenerator.build(target, drafter if needs_drafter(kw["method"]) else None, tokenizer,
@@ -433,7 +438,7 @@ def cmd_serve(args):
         longest = args.max_model_len or getattr(target.config, "max_position_embeddings", None) or 4096
         max_batch = batch_for_memory(target, drafter if needs_drafter(kw["method"]) else None, longest, args.d)
     engine = Engine(target, drafter if needs_drafter(kw["method"]) else None, d=args.d, max_batch=max_batch,
-                    eos_ids=eos, **kw)
+                    eos_ids=eos, verify_mode=_verify_mode(args), **kw)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else "tiny")
     from dpara_rt.serving.server import create_app, run
     scheduler = Scheduler(engine, max_queue=args.max_queue)
@@ -492,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", help="a drafter directory for --target (dpara_rt, DSpark or DFlash); not needed "
                                        "for --method ar")
     gen.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    gen.add_argument("--eager", action="store_true",
+                     help="verify without CUDA graphs (a native target on a CUDA device captures them by default)")
     gen.add_argument("--drafter-device", default=None,
                      help="where the drafter runs: cpu or cuda[:N] (default: the target's device)")
     gen.add_argument("--dtype", type=_dtype, default=None,
@@ -544,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(default: the embedded pair)")
     srv.add_argument("--drafter", help="a drafter directory for --target; not needed for --method ar")
     srv.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    srv.add_argument("--eager", action="store_true",
+                     help="verify without CUDA graphs (a native target on a CUDA device captures them by default)")
     srv.add_argument("--drafter-device", default=None,
                      help="where the drafter runs: cpu or cuda[:N] (default: the target's device)")
     srv.add_argument("--dtype", type=_dtype, default=None,
