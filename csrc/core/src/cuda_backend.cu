@@ -3,8 +3,10 @@
 #include <cuda_runtime.h>
 
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda_internal.h"
 #include "dpara_rt/build_info.h"
@@ -73,18 +75,58 @@ class DeviceGuard {
   int prev_ = 0;
 };
 
+// Released cudaEvent_t handles per device, handed out again: a round records several events, and creating one
+// costs the host more than recording it. A wait queued on an event keeps the record it saw, so a handle whose
+// last record is still pending is safe to record again. (They keep timing: Event::elapsed_ms reads two of them.)
+class EventPool {
+ public:
+  static cudaEvent_t take(int device) {
+    {
+      std::lock_guard<std::mutex> lk(mu());
+      auto& free = handles()[device];
+      if (!free.empty()) {
+        cudaEvent_t ev = free.back();
+        free.pop_back();
+        return ev;
+      }
+    }
+    DeviceGuard g(device);
+    cudaEvent_t ev{};
+    check(cudaEventCreate(&ev), "cudaEventCreate", device);
+    return ev;
+  }
+  static void give(int device, cudaEvent_t ev) {
+    {
+      std::lock_guard<std::mutex> lk(mu());
+      auto& free = handles()[device];
+      if (free.size() < kKept) {
+        free.push_back(ev);
+        return;
+      }
+    }
+    DeviceGuard g(device, false);
+    cudaEventDestroy(ev);
+  }
+
+ private:
+  static constexpr std::size_t kKept = 64;  // per device: a few rounds' worth
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  // never destroyed: events outlive static destruction order at exit, and the driver frees them with the process
+  static std::map<int, std::vector<cudaEvent_t>>& handles() {
+    static auto* h = new std::map<int, std::vector<cudaEvent_t>>();
+    return *h;
+  }
+};
+
 // A cudaEvent_t plus a host-side "recorded" flag: a lane may record it later, from its worker, and an
 // unrecorded cudaEvent_t would otherwise query as complete.
 class CudaEventImpl final : public EventImpl {
  public:
-  explicit CudaEventImpl(int device) : device_(device) {
-    DeviceGuard g(device);
-    check(cudaEventCreate(&ev_), "cudaEventCreate", device);
-  }
-  ~CudaEventImpl() override {
-    DeviceGuard g(device_, false);
-    cudaEventDestroy(ev_);
-  }
+  explicit CudaEventImpl(int device) : device_(device), ev_(EventPool::take(device)) {}
+  ~CudaEventImpl() override { EventPool::give(device_, ev_); }
   void record(cudaStream_t s) {
     cudaError_t st;
     {
