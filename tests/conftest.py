@@ -50,6 +50,17 @@ def build_hf_qwen3(**overrides):
     return Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
 
 
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The torch references on CPU tensors, the native target off: the code a device runs."""
+    from dpara_rt.host.linear import native_target
+
+    monkeypatch.setenv("DPARA_RT_OPS", "torch")
+    before = native_target(False)
+    yield
+    native_target(before)
+
+
 @pytest.fixture(scope="session")
 def saved_models(tmp_path_factory):
     """Factory: saved_models(key, build) -> (Path, model): `build()` runs once per key and its transformers model

@@ -105,6 +105,8 @@ def test_generate_streams_text_equal_to_ar():
     assert rc == 0, err
     assert out_dp == out_ar and out_dp.startswith("def add(a, b):")
     assert "tau" in err
+    rc, out_eager, err = cli("generate", "def add(a, b):", "--method", "dpara", "--max-new-tokens", "24", "--eager")
+    assert rc == 0 and out_eager == out_ar, err
 
 
 def test_info():

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from dpara_rt.engine import Engine
-from dpara_rt.host.linear import native_target
 from dpara_rt.round import chain
 from dpara_rt.round.sync_guard import HostWaits, Launches
 from engine_pairs import predictable_pair
@@ -28,15 +27,6 @@ PROMPTS = [[1, 5, 9, 3], [4, 4, 7]]
 @pytest.fixture(scope="module")
 def pair():
     return predictable_pair()
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    """The torch references on CPU tensors, the native target off: the code a device runs."""
-    monkeypatch.setenv("DPARA_RT_OPS", "torch")
-    before = native_target(False)
-    yield
-    native_target(before)
 
 
 def test_the_guard_counts_each_kind_of_host_wait_and_its_link():

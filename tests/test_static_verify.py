@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dpara_rt.engine import Engine
-from dpara_rt.host.linear import native_target
 from dpara_rt.models.static_verify import WINDOW, StaticVerify
 from dpara_rt.models.target import Target
 from dpara_rt.round.sync_guard import HostWaits
@@ -21,15 +20,6 @@ PROMPTS = [[1, 5, 9, 3], [4, 4, 7, 8, 8, 1]]
 @pytest.fixture(scope="module")
 def pair():
     return predictable_pair()
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    """The torch references on CPU tensors, the native target off: the code a device runs."""
-    monkeypatch.setenv("DPARA_RT_OPS", "torch")
-    before = native_target(False)
-    yield
-    native_target(before)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
