@@ -1,14 +1,16 @@
 """vLLM (CPU build) without speculation, with its ngram proposer, and with DPara (dpara_rt.engines.vllm), on one
 target and one prompt set, in one run; prints tok/s, tau and the ratios to vLLM AR.
 
-    ../vllm-env/bin/python bench/bench_vllm.py [--prompts 4] [--max-tokens 64] [--d 7]
+    ../vllm-env/bin/python bench/bench_vllm.py [--prompts 4] [--max-tokens 64] [--d 7] [--dtype bfloat16]
+                                               [--native] [--split]
 
 Target: SmolLM2-135M-Instruct (GGUF, converted) with the trained drafter at
 python/dpara_rt/assets/smollm2/drafter/ when that exists (or --drafter DIR), else the random pair of
 dpara_rt.engines.random_pair (a nearly-bigram random Llama and its bigram drafter; prompts are random token ids).
 Greedy, ignore_eos, enforce_eager, prefix caching off; every engine gets one warm-up generate before the timed one.
-tok/s counts generated tokens over the timed generate's wall time. Each engine is checked to reproduce the AR
-output. The engines run one after another in this process (vLLM's engine core and worker in their own processes).
+tok/s counts generated tokens over the timed generate's wall time. Each engine is checked to reproduce its own AR's
+output (and vLLM AR's: dpara_rt's bf16 host math and vLLM's kernels round apart, so there they may part).
+`--native` adds dpara_rt's own engine on the same prompts. The engines run one after another in this process (vLLM's engine core and worker in their own processes).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def run_engine(name: str, target: str, prompts, args, stats_path: str, bind: str
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if bind is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
+    llm = LLM(model=target, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, disable_log_stats=False,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=256 << 20, seed=0, **spec)
     if bind is not None:
@@ -90,6 +92,32 @@ def run_engine(name: str, target: str, prompts, args, stats_path: str, bind: str
     return row
 
 
+def run_native(name: str, method: str, prompts, args) -> dict:
+    """dpara_rt's own engine on the same prompts (SmolLM2 as the demo loads it: the native Llama path, float32 weights,
+    the host's bf16 math where it has it), max_num_seqs prompts per generate, EOS ignored as vLLM's runs do."""
+    from dpara_rt.engine import Engine
+    from dpara_rt.tools.compare import load_smollm2
+
+    _, target, drafter = load_smollm2()
+    B = args.max_num_seqs
+    eng = Engine(target, drafter if method != "ar" else None, method=method, d=args.d, max_batch=B, eos_ids=[])
+    try:
+        eng.generate(prompts[:1], 8)
+        tokens, tau_rounds = [], []
+        t = time.perf_counter()
+        for i in range(0, len(prompts), B):
+            out = eng.generate(prompts[i:i + B], args.max_tokens)
+            tokens += out.tokens
+            tau_rounds.append(out.stats.tau)
+        wall = time.perf_counter() - t
+    finally:
+        eng.close()
+    row = {"engine": name, "wall_s": wall, "tokens": sum(map(len, tokens)), "out": tokens,
+           "tau": sum(tau_rounds) / len(tau_rounds) if method != "ar" else None}
+    row["tok_s"] = row["tokens"] / wall
+    return row
+
+
 def _spec_counters(llm) -> dict:
     return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
             if m.name.startswith("vllm:spec_decode") and getattr(m, "value", None) is not None}
@@ -105,6 +133,9 @@ def main():
     ap.add_argument("--random", action="store_true", help="use the random pair even if the SmolLM2 drafter exists")
     ap.add_argument("--hidden", type=int, default=512, help="random target's hidden size")
     ap.add_argument("--layers", type=int, default=8, help="random target's layers")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM's model dtype")
+    ap.add_argument("--native", action="store_true", help="also: dpara_rt's own engine (ar, dpara) on the same "
+                    "prompts (SmolLM2 only)")
     ap.add_argument("--split", action="store_true", help="also: AR and DPara with the target bound to core 0 "
                     "(VLLM_CPU_OMP_THREADS_BIND=0) and the drafter's lane pinned to core 1")
     args = ap.parse_args()
@@ -112,7 +143,8 @@ def main():
         target, drafter, prompts, what = pick_pair(args, tmp)
         stats = os.path.join(tmp, "dpara_stats.json")
         print(f"target: {what}; {len(prompts)} prompts, {args.max_tokens} new tokens each, d={args.d}, "
-              f"max_num_seqs={args.max_num_seqs}, torch threads {torch.get_num_threads()}", flush=True)
+              f"max_num_seqs={args.max_num_seqs}, vLLM dtype {args.dtype}, torch threads {torch.get_num_threads()}",
+              flush=True)
         dpara = {"speculative_config": {"model": "dpara_rt.engines.vllm.DParaProposer",
                                         "num_speculative_tokens": args.d}}
         options = {"dpara_drafter": drafter, "dpara_stats": stats, "dpara_max_requests": args.max_num_seqs}
@@ -125,12 +157,18 @@ def main():
             rows.append(run_engine("AR core 0", target, prompts, args, stats, bind="0"))
             rows.append(run_engine("DPara split", target, prompts, args, stats, bind="0", **dpara,
                                    additional_config={**options, "dpara_cores": [1]}))
+    if args.native:
+        if args.random or not (Path(drafter) / "drafter_config.json").is_file():
+            raise SystemExit("--native runs SmolLM2 with its drafter; drop --random")
+        rows += [run_native("dpara_rt AR", "ar", prompts, args), run_native("dpara_rt DPara", "dpara", prompts, args)]
     ar = rows[0]
-    print(f"\n{'engine':<14} {'tok/s':>8} {'x AR':>6} {'tau':>6} {'wall s':>7}  same output as AR")
+    own_ar = {r["engine"].split()[0]: r for r in rows if r["engine"].endswith(" AR")}  # each engine's own AR
+    print(f"\n{'engine':<14} {'tok/s':>8} {'x AR':>6} {'tau':>6} {'wall s':>7}  same output as its AR, as vLLM AR")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        mine = own_ar.get(r["engine"].split()[0], ar)
         print(f"{r['engine']:<14} {r['tok_s']:8.1f} {r['tok_s'] / ar['tok_s']:6.2f} {tau:>6} {r['wall_s']:7.2f}  "
-              f"{r['out'] == ar['out']}")
+              f"{r['out'] == mine['out']}, {r['out'] == ar['out']}")
     for r in rows:
         dp = r.get("dpara")
         if not dp:
