@@ -132,17 +132,20 @@ def _hf_tokenizer(path):
     return TextTokenizer.from_dir(path)
 
 
-# (prompts, max_new_tokens) of a demo run: six methods of a 135M-parameter model take minutes on two cores
-DEMO_SIZE = {"smollm2": (8, 64), "tiny": (16, 96)}
+# (prompts, max_new_tokens, d) of a demo run: six methods of a 135M-parameter model take minutes on two cores. d is
+# the draft length that measured best for the pair at batch 1 on two cores (docs/perf_history.md): SmolLM2's drafter
+# rarely gets past its second token, and on a CPU a verify of 4 tokens costs less than one of 8
+DEMO_SIZE = {"smollm2": (8, 64, 3), "tiny": (16, 96, 7)}
 
 
 def _demo_pair_and_prompts(args):
     """(target, drafter, prompts, title) of the demo: the tiny pair on HumanEval prompts (or an evaluation set as
     plain text), or SmolLM2 on an evaluation set through its chat template."""
     from dpara_rt.tools.compare import evalset_prompts, humaneval_prompts, load_smollm2
-    prompts, tokens = DEMO_SIZE[args.pair]
+    prompts, tokens, d = DEMO_SIZE[args.pair]
     args.prompts = args.prompts or prompts
     args.max_new_tokens = args.max_new_tokens or tokens
+    args.d = args.d or d
     if args.pair == "tiny":
         if args.drafter is not None:
             raise CliError(f"--drafter {args.drafter} applies to --pair smollm2; the tiny pair brings its own "
@@ -475,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{DEMO_SIZE['tiny'][1]} for tiny)")
     demo.add_argument("--batch", type=_batch, default=1)
     demo.add_argument("--temperature", type=_temperature, default=0.0)
-    demo.add_argument("--d", type=_integer("--d"), default=7)
+    demo.add_argument("--d", type=_integer("--d"), default=None,
+                      help=f"draft length (default: {DEMO_SIZE['smollm2'][2]} for smollm2, {DEMO_SIZE['tiny'][2]} "
+                           "for tiny)")
     demo.add_argument("--out", default="out/demo")
     demo.add_argument("--models", default=None, help="directory of the embedded pair (default: the package's)")
     demo.add_argument("--host-math", choices=HOST_MATHS, default=None,
