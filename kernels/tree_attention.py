@@ -26,11 +26,27 @@ def tree_size(d: int) -> int:
     return (d + 1) * (d + 1)
 
 
-@functools.lru_cache(maxsize=64)
 def tree_mask(d: int, device: str = "cpu") -> torch.Tensor:
     """Dense [Q, Q] bool mask of the tree part (True = may attend), from the core's tree metadata, which owns
-    the layout. Cached: do not modify it."""
+    the layout. Cached: do not modify it. Under torch.compile it is derived from indices instead (as the Triton
+    kernel derives it): the core's array is a host object a traced graph cannot hold."""
+    if torch.compiler.is_compiling():
+        return tree_mask_from_indices(d, device)
+    return _core_tree_mask(d, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _core_tree_mask(d: int, device: str) -> torch.Tensor:
     return torch.from_numpy(_core.tree_mask(d)).to(device=device, dtype=torch.bool)
+
+
+def tree_mask_from_indices(d: int, device=None) -> torch.Tensor:
+    """tree_mask from torch ops alone: spine row i sees spine 0..i, a branch-r row spine 0..r and all of branch r."""
+    i = torch.arange(tree_size(d), device=device)
+    is_branch = i > d
+    branch = torch.where(is_branch, torch.div(i - d - 1, d, rounding_mode="floor"), -1)
+    limit = torch.where(is_branch, branch, i)  # the last spine index a row sees
+    return torch.where(is_branch[None, :], branch[None, :] == branch[:, None], i[None, :] <= limit[:, None])
 
 
 def tree_position_offsets(d: int, device=None) -> torch.Tensor:
@@ -49,14 +65,20 @@ def _sdpa(q, k, v, mask, scale):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def _host_lengths(ctx_lens: torch.Tensor, q: torch.Tensor) -> bool:
+    from .. import ops  # ops imports this module
+
+    return ctx_lens.device.type == "cpu" and ops.backend(q.device) == "host"
+
+
 def tree_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, d: int, scale: float) -> torch.Tensor:
     """torch reference: one SDPA call over cat(context[:max ctx_len], tree) with a dense boolean mask."""
     batch, _, n_tree, _ = q.shape
     same = ctx_lens.device == q.device and ctx_lens.dtype == torch.long
     lens = ctx_lens if same else ctx_lens.to(device=q.device, dtype=torch.long)
-    # as the Triton launcher: lengths on a device are not read on the host; the mask hides the columns past each
-    # row's length
-    n_ctx = (int(ctx_lens.max()) if ctx_lens.device.type == "cpu" else k_ctx.shape[2]) if batch else 0
+    # only the host backend reads host lengths (to skip unused columns): on a device, as in the Triton launcher or
+    # a captured step, the whole cache is read and the mask hides the columns past each row's length
+    n_ctx = (int(ctx_lens.max()) if _host_lengths(ctx_lens, q) else k_ctx.shape[2]) if batch else 0
     keys = torch.cat([k_ctx[:, :, :n_ctx], k_tree], dim=2)
     values = torch.cat([v_ctx[:, :, :n_ctx], v_tree], dim=2)
     ctx_visible = torch.arange(n_ctx, device=q.device)[None, :] < lens[:, None]

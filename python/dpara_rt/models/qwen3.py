@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dpara_rt import ops
 from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.host.linear import HostLinear
 from dpara_rt.models.decoder_config import (ARCHITECTURE, MODEL_TYPE, NATIVE_MODEL_TYPES, Qwen3Config,
@@ -48,8 +49,9 @@ class RopeTable:
     """rope_cos_sin by lookup on the host: each position's cos / sin computed once (by rope_cos_sin itself) and
     gathered afterwards. A forward of a few tokens otherwise spends a handful of small ops (tens of us each right
     after a verify has evicted the caches) recomputing them. The table grows by doubling and follows the
-    frequencies and dtype it was built for; other devices, and positions that are not non-negative integers,
-    compute directly."""
+    frequencies and dtype it was built for. Only the host backend looks up: sizing the table reads the positions
+    on the host, which a captured (or compiled) step cannot do; other backends and devices, and positions that are
+    not non-negative integers, compute directly."""
 
     def __init__(self):
         self._for: tuple = ()  # (inv_freq, dtype) of the table
@@ -62,7 +64,8 @@ class RopeTable:
         self.__init__()
 
     def __call__(self, positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if positions.device.type != "cpu" or positions.dtype != torch.long or not positions.numel():
+        if (positions.device.type != "cpu" or positions.dtype != torch.long or not positions.numel()
+                or ops.backend(positions.device) != "host"):
             return rope_cos_sin(positions, inv_freq, dtype)
         lo, hi = positions.aminmax()
         lo, hi = int(lo), int(hi)
