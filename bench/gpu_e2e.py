@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import traceback
+import warnings
 
 import torch
 
@@ -80,6 +81,22 @@ def _failed(pair: str, method: str, batch: int, e: Exception) -> None:
     traceback.print_exc()
 
 
+def cuda_syncs_per_round(eng: Engine, prompts, max_new_tokens: int) -> float | None:
+    """Synchronizing CUDA calls per round of one decode, start and end included (torch's sync debug mode warns
+    on each, from every lane's thread); None off CUDA. CI counts the steady round's on CPU tensors
+    (tests/test_host_waits.py): one, the verify's read-back."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rounds = eng.generate(prompts, max_new_tokens).stats.rounds
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return len([w for w in seen if "synchroniz" in str(w.message)]) / max(1, rounds)
+
+
 def run_random(args) -> list[dict]:
     print("random pair: realistic width, RANDOM weights; tau is not meaningful, the schedule is", flush=True)
     target, drafter = build_random(args.hidden, args.layers, args.vocab, args.device, torch.bfloat16)
@@ -96,6 +113,7 @@ def run_random(args) -> list[dict]:
                 try:
                     eng.generate(prompts, 8)
                     st = eng.generate(prompts, args.max_new_tokens).stats
+                    syncs = cuda_syncs_per_round(eng, prompts, args.max_new_tokens) if batch == 1 else None
                 finally:
                     eng.close()
             except Exception as e:
@@ -109,7 +127,7 @@ def run_random(args) -> list[dict]:
                        tau=st.tau,
                        verify_ms=st.verify_ms, exposed_draft_ms=st.exposed_draft_ms, backbone_ms=st.backbone_ms,
                        markov_head_ms=st.markov_head_ms, overlap_efficiency=st.overlap_efficiency,
-                       fallback_rate=st.fallback_rate)
+                       fallback_rate=st.fallback_rate, cuda_syncs_per_round=syncs)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -93,6 +93,34 @@ def test_a_drafter_gone_non_finite_keeps_sampling_exact(pair, exact_joint, metho
     assert_matches(counts, exact_joint)
 
 
+@pytest.mark.parametrize("method", ["ar", "dspark", "dpara"])
+def test_sampling_on_the_device_path_matches_exact_distribution(pair, exact_joint, torch_path, method):
+    """The round a GPU runs (torch references, the static verify, the drafter in this process): each sampled round's
+    verdicts are drawn where the logits are and come back in the verify's one read."""
+    target, drafter = pair
+    eng = Engine(target, drafter if method != "ar" else None, method=method, d=3, temperature=TEMP, max_len=64,
+                 eos_ids=[], drafting="device", drafter_worker="thread", verify_mode="static")
+    counts, accepted = sample_counts(eng)
+    assert method == "ar" or accepted > 0
+    assert_matches(counts, exact_joint)
+
+
+def test_a_drafter_gone_non_finite_keeps_the_device_path_exact(pair, exact_joint, torch_path):
+    """On the device path a damaged q is handled by selects, never read on the host; the warning comes with the
+    verify's read."""
+    import copy
+    target, drafter = pair
+    broken = copy.deepcopy(drafter)
+    with torch.no_grad():
+        broken.w2.fill_(float("nan"))
+    eng = Engine(target, broken, method="dpara", d=3, temperature=TEMP, max_len=64, eos_ids=[], drafting="device",
+                 drafter_worker="thread", verify_mode="static")
+    with pytest.warns(RuntimeWarning, match="non-finite probabilities"):
+        counts, accepted = sample_counts(eng)
+    assert accepted == 0
+    assert_matches(counts, exact_joint)
+
+
 def test_sampling_repeats_with_a_seed(pair):
     target, drafter = pair
     runs = [Engine(target, drafter, method="dpara", d=3, temperature=TEMP, seed=3).generate([PROMPT] * 4, 12).tokens

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -127,14 +128,16 @@ def pack_verified(logits: Tensor, tokens: Tensor | None = None) -> Tensor:
     return torch.cat([*parts, logits.argmax(-1).reshape(-1), finite])
 
 
-def unpack_verified(packed: Tensor, B: int, T: int, tokens: bool) -> tuple[Tensor | None, Tensor | None]:
-    """(tokens [B, T] or None, arg-max [B, T] or None when a logit is not finite), host long, from pack_verified's
-    tensor read back in one call (the host waits once)."""
-    both = packed.tolist()
+def unpack_verified(packed: Tensor, B: int, T: int, tokens: bool, extra: int = 0
+                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(tokens [B, T] or None, arg-max [B, T] or None when a logit is not finite, the `extra` values put before
+    pack_verified's [extra] or None), host long, from the tensor read back in one call (the host waits once)."""
+    both = np.asarray(packed.tolist(), dtype=np.int64)
     n = B * T
-    block = torch.tensor(both[:n], dtype=torch.long).view(B, T) if tokens else None
-    argmax = torch.tensor(both[-1 - n:-1], dtype=torch.long).view(B, T) if both[-1] else None
-    return block, argmax
+    head, packed_part = both[:extra], both[extra:]
+    block = torch.from_numpy(packed_part[:n].reshape(B, T)) if tokens else None
+    argmax = torch.from_numpy(packed_part[-1 - n:-1].reshape(B, T)) if packed_part[-1] else None
+    return block, argmax, (torch.from_numpy(head) if extra else None)
 
 
 __all__ = ["STATIC_MODES", "StaticVerify", "WINDOW", "pack_verified", "unpack_verified"]

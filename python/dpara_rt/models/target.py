@@ -6,7 +6,7 @@ runs any transformers causal LM.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ def argmax_on_host(logits: Tensor) -> Tensor | None:
     flag computed where the logits are and read back in one call (the host waits once, not three times)."""
     B, T = logits.shape[:2]
     return unpack_verified(pack_verified(logits), B, T, tokens=False)[1]
+
+
+Judge = Callable[[Tensor, Tensor], Tensor]  # (logits [B, T, V], block [B, T]) -> 1-D long, on the logits' device
 
 
 class TargetBase(WeightPlaced):
@@ -87,12 +90,18 @@ class TargetBase(WeightPlaced):
 
     block_on_device = False  # whether verify_block takes a block built on the target's device (a static verify)
 
-    def verify_block(self, block: Tensor, features_out: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-        """verify_argmax(block), and the block on the host (the round state reads it): block [B, T] long, on the host,
-        or where the target computes when ``block_on_device``."""
+    def verify_block(self, block: Tensor, features_out: Tensor | None = None, judge: Judge | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+        """verify_argmax(block), the block on the host (the round state reads it) and ``judge(logits, block)`` read
+        back (None without a judge, or when a logit is not finite): block [B, T] long, on the host, or where the
+        target computes when ``block_on_device``. judge: a device function of the logits [B, T, V] and the block
+        [B, T] (on the logits' device) to a 1-D long tensor (a sampled round's verdicts)."""
         logits, feats, argmax = self.verify_argmax(block, features_out)
-        return logits, feats, argmax, block
+        judged = None
+        if judge is not None and argmax is not None:
+            judged = judge(logits, ops.upload(block, logits.device))
+            judged = judged if judged.device.type == "cpu" else judged.cpu()
+        return logits, feats, argmax, block, judged
 
     @staticmethod
     def _finite_prefill(logits: Tensor, rows: Sequence[int]) -> Tensor:
@@ -298,11 +307,12 @@ class Target(TargetBase):
     def block_on_device(self) -> bool:
         return self._static is not None
 
-    def verify_block(self, block: Tensor, features_out: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-        """TargetBase.verify_block; a static verify reads the block back with the arg-max, in one copy."""
+    def verify_block(self, block: Tensor, features_out: Tensor | None = None, judge: Judge | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+        """TargetBase.verify_block; a static verify reads the block back with the arg-max and the judge's verdicts, in
+        one copy."""
         if self._static is None:
-            return super().verify_block(block, features_out)
+            return super().verify_block(block, features_out, judge)
         block = self._check_verify(block, self._lengths[: self.batch])
         B, T = block.shape
         logits, feats, packed = self._static.run(block, int(self._lengths[:B].max()))
@@ -311,8 +321,11 @@ class Target(TargetBase):
         if features_out is not None:
             features_out.copy_(feats)
             feats = features_out
-        host_block, argmax = unpack_verified(packed, B, T, tokens=True)
-        return logits, feats, argmax, host_block
+        judged = None if judge is None else judge(logits, block)  # runs on any logits: its verdicts go unread then
+        read = packed if judged is None else torch.cat([judged, packed])
+        host_block, argmax, judged = unpack_verified(read, B, T, tokens=True, extra=0 if judged is None else
+                                                     judged.numel())
+        return logits, feats, argmax, host_block, judged if argmax is not None else None
 
     def commit(self, n: Tensor | np.ndarray):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""

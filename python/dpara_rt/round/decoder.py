@@ -5,6 +5,7 @@ accept, and the hand-offs between lanes. Drafting goes through the decode's ``Dr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Iterator
 
@@ -30,10 +31,17 @@ def _warn_non_finite_draft(dec: "Decoder") -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def _finite_on_device(x: Tensor) -> bool:
-    """Whether x holds no NaN or inf, read back once (ops.all_finite reads its min and max apart)."""
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+def _read_here(t: Tensor, device: torch.device) -> Tensor:
+    """`t`, made on another lane, read by this lane's next ops on `device`: on CUDA the caching allocator is told it
+    is in use on this stream too, so the other lane's next allocation cannot reuse its memory before the read."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return t.to(device, non_blocking=True)
+
+
+def _no_acceptance(batch: int) -> Tensor:
+    """r = 0 for every row (an AR round), in host memory as the round state's arrays are."""
+    return torch.from_numpy(np.zeros(batch, dtype=np.int64))
 
 
 class Decoder:
@@ -77,7 +85,7 @@ class Decoder:
         if self.drafting is not None:
             self._batch_buffers(B)
         # The last reader's event per staging region and phase: a writer waits for it before overwriting.
-        self._released = {region: [_core.Event(), _core.Event()] for region in ("rb", "draft", "features")}
+        self._released = {region: [_core.Event(), _core.Event()] for region in ("draft", "features")}
 
     def _batch_buffers(self, B: int) -> None:
         """The staging buffers and the boundary ring for B rows, with torch views of them made once (a DLPack
@@ -99,7 +107,7 @@ class Decoder:
             self.ring = _core.BoundaryRing(self._ring_capacity, B, self.d, row, dtype, self.drafter_lane.device_index,
                                            shared=shared)
             self.staged = {(region, phase): staging_tensor(self.staging, region, phase).reshape(-1).view(torch.uint8)
-                           for region in ("rb", "draft", "features") for phase in (0, 1)}
+                           for region in ("draft", "features") for phase in (0, 1)}
             self.slots = [slot_tensor(self.ring, i) for i in range(self._ring_capacity)]
             if self._kept is not None:  # one set: a decode of another shape replaces it
                 self._kept.update(key=key, buffers=(self.staging, self.ring, self.staged, self.slots))
@@ -198,6 +206,8 @@ class Decoder:
         rnd = prev.round + 1
         if self.head_on_target:
             return Draft(rnd, prev.bonus, tokens, tokens, q, _core.Event(), slot)
+        if self.target.block_on_device:  # the verify reads the head's tokens where they are, after this event
+            return Draft(rnd, prev.bonus, tokens, tokens, q, self.head_lane.record(), slot)
         staged = self._stage(self.head_lane, "draft", tokens.to(torch.int32), rnd % 2)
         return Draft(rnd, prev.bonus, tokens, staged, q, self.head_lane.record(), slot)
 
@@ -206,14 +216,10 @@ class Decoder:
         return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event(), slot)
 
     def outcome_rb(self, out: Outcome) -> tuple[Tensor, Tensor]:
-        """Head lane: (r [B], bonus [B]) of `out`, on the host: the Outcome's own on the target lane, else the
-        staged copy once the target lane's event says it is written."""
-        if self.head_on_target:
-            return out.r, out.bonus
-        out.ready.synchronize()  # (r, bonus) are read on the host: the ring selects rows by host r
-        rb = self.staged["rb", out.phase].view(torch.int32).view(-1, 2).long()
-        self.release(self.head_lane, "rb", out.phase)
-        return rb[:, 0], rb[:, 1]
+        """Head lane: (r [B], bonus [B]) of `out`, host arrays the round state made: the link that reads them is
+        posted after they exist, so neither lane waits for the other (a drafter in another process runs its head on
+        the target lane)."""
+        return out.r, out.bonus
 
     # ------------------------------------------------------------------ verification
     def pick(self, logits: Tensor) -> Tensor:
@@ -236,49 +242,65 @@ class Decoder:
             # with the arg-max, in the verify's one copy, and never waits for the head
             self.target_lane.wait(draft.ready)
             self.chain.hand_over()  # the last round's tokens: the consumer takes them while the target computes
-            dev = draft.staged.device
-            block = torch.cat([ops.upload(draft.bonus[:, None], dev), draft.staged.long()], dim=1)
+            dev = self.target.device
+            block = torch.cat([ops.upload(draft.bonus[:, None], dev), _read_here(draft.tokens, dev).long()], dim=1)
         else:
-            draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
+            if draft.tokens is not None and draft.staged is not draft.tokens:
+                draft.ready.synchronize()  # the staged tokens are read on the host (the round state takes host ids)
             self.chain.hand_over()
             block = draft.bonus[:, None] if draft.tokens is None else \
                 torch.cat([draft.bonus[:, None], draft.staged.long().to(draft.bonus.device)], dim=1)
         if draft.tokens is not None and draft.staged is not draft.tokens:
             self.release(self.target_lane, "draft", phase)
         staged = self._features_in_place(block.shape, phase)
-        logits, feats, argmax, block = self.target.verify_block(block, staged)
+        judge = None if not self.opts.sampling else (self._pick_bonus if draft.tokens is None else
+                                                      functools.partial(self._judge, draft.q))
+        logits, feats, argmax, block, judged = self.target.verify_block(block, staged, judge)
         if argmax is None:
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
                                      "expected finite logits (a damaged model or an overflow in its dtype)")
         if self.drafter is not None and staged is None:
             feats = self._stage(self.target_lane, "features", feats, phase)
-        greedy = draft.tokens is not None and not self.opts.sampling
-        if draft.tokens is None:  # AR: the bonus is the target's own token
-            tok = self.pick(logits[:, 0]) if self.opts.sampling else argmax[:, 0]
-            return Verified(block, feats, draft.slot, r=torch.zeros_like(tok), bonus=tok)
-        if greedy:
+        if judged is None:  # greedy: the round state accepts from the arg-max
+            if draft.tokens is None:  # AR: the bonus is the target's own token
+                return Verified(block, feats, draft.slot, r=_no_acceptance(argmax.shape[0]), bonus=argmax[:, 0])
             return Verified(block, feats, draft.slot, argmax=argmax)
-        # p is the truncated distribution AR draws from (temperature, top-k, top-p: sampling.probs), on every
-        # ops backend; q stays the drafter's own, untruncated (tokens outside p's support are always rejected).
+        if draft.tokens is None:
+            return Verified(block, feats, draft.slot, r=_no_acceptance(len(judged)), bonus=judged)
+        B = block.shape[0]
+        if judged[2 * B]:
+            _warn_non_finite_draft(self)
+        return Verified(block, feats, draft.slot, r=judged[:B], bonus=judged[B:2 * B])
+
+    def _pick_bonus(self, logits: Tensor, block: Tensor) -> Tensor:
+        """An AR round's sampled token [B], where the logits are (verify_block's judge)."""
+        o = self.opts
+        return sample(logits[:, 0], o.temperature, o.top_p, self.generator, o.top_k)
+
+    def _judge(self, q, logits: Tensor, block: Tensor) -> Tensor:
+        """verify_block's judge of a sampled round, where the logits are: [r (B), bonus (B), 1 if the drafter's q held
+        a non-finite value] by lossless rejection sampling. p is the truncated distribution AR draws from
+        (temperature, top-k, top-p: sampling.probs); q stays the drafter's own, untruncated (tokens outside p's
+        support are always rejected). On a device nothing is read here: a damaged q is handled by selects."""
         o = self.opts
         p = probs(logits, o.temperature, o.top_p, o.top_k)
         B, d = block.shape[0], block.shape[1] - 1
         u_accept = ops.upload(uniforms(self.generator, B, d), p.device)
         u_bonus = ops.upload(uniforms(self.generator, B), p.device)
-        q = self.drafting.resolve_q(draft.q).to(p.device)
-        on_host = ops.backend(p.device) == "host"
-        damaged = not (ops.all_finite(q) if on_host else _finite_on_device(q))
-        if damaged:
-            finite = torch.isfinite(q).all(-1)  # [B, d]: a position whose q is not a distribution cannot be judged
-            _warn_non_finite_draft(self)
+        q = self.drafting.resolve_q(q)
+        q = q.to(p.device, non_blocking=True)  # a drafter on another device: a copy between devices
+        # on the host the finiteness check is a cheap read; a device skips it and always takes the selects below
+        finite = None if ops.backend(p.device) == "host" and ops.all_finite(q) else torch.isfinite(q).all(-1)
+        if finite is not None:  # [B, d]: a position whose q is not a distribution cannot be judged
             q = torch.where(finite[..., None], q, 0.0)
         # the draft is the head's own ids and the uniforms are in [0, 1) by construction: no value check
-        r, bonus = ops.verify_sample(p, q, ops.upload(block[:, 1:], p.device), u_accept, u_bonus, checked=True)
-        if damaged:
-            r, bonus = stop_at_non_finite(p, r, bonus, finite, u_bonus)
-        if not on_host:  # one copy back for both
-            r, bonus = torch.stack([r, bonus]).cpu()
-        return Verified(block, feats, draft.slot, r=r, bonus=bonus)
+        r, bonus = ops.verify_sample(p, q, block[:, 1:], u_accept, u_bonus, checked=True)
+        if finite is None:
+            return torch.cat([r, bonus, r.new_zeros(1)])
+        damaged = ~finite.all()
+        stopped_r, stopped_bonus = stop_at_non_finite(p, r, bonus, finite, u_bonus)
+        return torch.cat([torch.where(damaged, stopped_r, r), torch.where(damaged, stopped_bonus, bonus),
+                          damaged.long().reshape(1)])
 
     def accept(self, verified: Verified) -> Outcome:
         """Target lane: commit the round. The C++ round state accepts (greedy) or takes the drawn (r, bonus),
@@ -296,8 +318,6 @@ class Decoder:
         # Finished requests keep their last bonus as s_0: their rows still run through the batched forwards.
         bonus_t = torch.from_numpy(bonus)
         rnd = self.state.rounds()
-        if self.drafter is not None and not self.head_on_target:
-            self._stage(self.target_lane, "rb", torch.stack([r_t, bonus_t], 1).to(torch.int32), rnd % 2)
         self.chain.round = rnd
         return Outcome(rnd, r_t, bonus_t, tokens, verified.features, keep_t, self.running_mask(),
                        self.target_lane.record(), verified.slot, any_running=self.state.num_running() > 0)

@@ -4,8 +4,11 @@
 read on the host (``item``, ``tolist``, ``numpy``, ``bool()`` / ``int()`` / ``float()`` / ``index()`` of a tensor,
 which covers ``if t.any():``), a copy to the host (``cpu()``, ``to("cpu")``), a synchronous copy to a device
 (``to(device)`` or ``cuda()`` without ``non_blocking=True``), and the ops whose output size is data-dependent
-(``nonzero``, a boolean mask as an index, ``masked_select``). On CPU tensors none of these waits, so a CI machine
-without a GPU counts what a GPU would wait for: the count is of calls, whichever device runs them. torch.Tensor's
+(``nonzero``, a boolean mask as an index, ``masked_select``), and a host-side wait for a lane's event
+(``Event.synchronize``: on a GPU the lane is a stream). On CPU tensors none of these waits, so a CI machine
+without a GPU counts what a GPU would wait for: the count is of calls, whichever device runs them. A read of host
+memory on every machine is no wait: tensors made by ``torch.from_numpy`` (the round state's arrays, numpy views of
+the pinned staging) and their views are left out. torch.Tensor's
 methods are patched for the block (a TorchFunctionMode is per thread and the lanes are threads of their own), so
 the lanes' calls count too; each is attributed to the chain link running in its thread (``chain.LINK_HOOKS``).
 
@@ -24,11 +27,15 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpara_rt import _core
 from dpara_rt.round import chain
 
 # (name, what it is) of the patched torch.Tensor methods: reading one of these waits for the device's queue
 READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "cpu", "nonzero",
          "masked_select")
+# reads that cost nothing on host memory (the rest, copies to a device and event waits, wait whatever the source)
+_HOST_READS = {"item", "tolist", "numpy", "bool", "int", "float", "index", "cpu", "nonzero", "masked_select",
+               "mask index"}
 OUTSIDE = "caller"  # calls made outside any link (the caller's thread: a decode's start and end)
 
 
@@ -107,6 +114,8 @@ class HostWaits(_Tracked):
         self.counts = _Counts()
         self.sites = sites
         self._saved: dict = {}
+        self._host_tensors: list = []   # made by torch.from_numpy: host memory on every machine
+        self._host_storages: set = set()  # their storages' addresses
 
     # ------------------------------------------------------------------ counting
     def _count(self, what: str) -> None:
@@ -119,15 +128,33 @@ class HostWaits(_Tracked):
             site = f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
         self.counts.add(link.round, link.phase, what, site)
 
+    def _on_host(self, t) -> bool:
+        """Whether `t` is a view of host memory on every machine (made by torch.from_numpy under this guard)."""
+        if not isinstance(t, torch.Tensor) or not self._host_storages or t.device.type != "cpu":
+            return False
+        return t.untyped_storage().data_ptr() in self._host_storages
+
+    def _from_numpy(self, fn):
+        def host_tensor(array):
+            t = fn(array)
+            with self.counts.lock:  # held until the guard exits: its address is not reused by a device tensor
+                self._host_tensors.append(t)
+                self._host_storages.add(t.untyped_storage().data_ptr())
+            return t
+        return host_tensor
+
     def _wrap(self, name: str, fn, when=None):
         inside = self.inside
+        reads_host = name in _HOST_READS
 
         def counted(*args, **kwargs):
             if getattr(inside, "on", False):
                 return fn(*args, **kwargs)
             inside.on = True
             try:
-                if when is None or when(*args, **kwargs):
+                if reads_host and args and self._on_host(args[0]):
+                    pass  # host memory: nothing to wait for
+                elif when is None or when(*args, **kwargs):
                     self._count(name)
                 return fn(*args, **kwargs)
             finally:
@@ -144,11 +171,14 @@ class HostWaits(_Tracked):
         patches["__setitem__"] = (T, "__setitem__", _mask_index)
         patches["torch.nonzero"] = (torch, "nonzero", None)
         patches["torch.masked_select"] = (torch, "masked_select", None)
+        patches["event"] = (_core.Event, "synchronize", None)
         for key, (owner, name, when) in patches.items():
             original = getattr(owner, name)
             self._saved[key] = (owner, name, original)
             label = {"__getitem__": "mask index", "__setitem__": "mask index"}.get(name, name.strip("_"))
-            setattr(owner, name, self._wrap(label, original, when))
+            setattr(owner, name, self._wrap("event" if key == "event" else label, original, when))
+        self._saved["from_numpy"] = (torch, "from_numpy", torch.from_numpy)
+        torch.from_numpy = self._from_numpy(torch.from_numpy)
         chain.LINK_HOOKS.append(self.hook)
         return self
 
@@ -157,6 +187,8 @@ class HostWaits(_Tracked):
         for owner, name, original in self._saved.values():
             setattr(owner, name, original)
         self._saved.clear()
+        self._host_tensors.clear()
+        self._host_storages.clear()
         return False
 
     # ------------------------------------------------------------------ reading
