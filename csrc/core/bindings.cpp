@@ -298,6 +298,10 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("slot"), py::arg("r"), py::arg("offsets") = py::none(), py::arg("lane") = py::none(),
            "ready -> consumed; returns the element offsets of ring[slot][b][r[b]] (into `offsets` when given).")
+      .def("take", [](BoundaryRing& ring, int slot, const py::object& lane) {
+             ring.take(slot, optional_arg<Lane>(lane));
+           }, py::arg("slot"), py::arg("lane") = py::none(),
+           "ready -> consumed for a reader that picks each request's branch itself (r in device memory).")
       .def("release", [](BoundaryRing& r, int slot, const py::object& e) { r.release(slot, optional_event(e)); },
            py::arg("slot"), py::arg("event") = py::none())
       .def("reset", &BoundaryRing::reset, py::call_guard<py::gil_scoped_release>())

@@ -111,18 +111,24 @@ Event BoundaryRing::select_nowait(int slot, const std::int64_t* r, std::int64_t 
   for (std::int64_t b = 0; b < n; ++b)
     if (r[b] < 0 || r[b] > d_)
       detail::value_error("r[", b, "] = ", r[b], " out of range: expected 0..", d_, " (d = ", d_, ")");
-  Event ready;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    const SlotState s = state_[std::size_t(slot)];
-    if (s != SlotState::ready)
-      detail::runtime_error("cannot select slot ", slot, ": it is ", slot_state_name(s), ", expected ready");
-    state_[std::size_t(slot)] = SlotState::consumed;
-    ready = ready_[std::size_t(slot)];
-  }
+  const Event ready = consume(slot, "select");
   const std::int64_t base = std::int64_t(slot) * slot_elems(), per_request = std::int64_t(d_ + 1) * row_elems();
   for (std::int64_t b = 0; b < n; ++b) offsets_out[b] = base + b * per_request + r[b] * row_elems();
   return ready;
+}
+
+void BoundaryRing::take(int slot, Lane* lane) {
+  check_slot(slot);
+  wait_on(consume(slot, "take"), lane);
+}
+
+Event BoundaryRing::consume(int slot, const char* verb) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const SlotState s = state_[std::size_t(slot)];
+  if (s != SlotState::ready)
+    detail::runtime_error("cannot ", verb, " slot ", slot, ": it is ", slot_state_name(s), ", expected ready");
+  state_[std::size_t(slot)] = SlotState::consumed;
+  return ready_[std::size_t(slot)];
 }
 
 void BoundaryRing::release(int slot, Event done) {

@@ -58,6 +58,10 @@ static void test_ring_illegal_transitions() {
   CHECK_THROWS(ring.select(0, bad.data(), 1, off.data()), std::invalid_argument, "r[0] = 3 out of range");
   CHECK(ring.state(0) == SlotState::ready);  // a rejected select changes nothing
   CHECK_THROWS(ring.select(0, r.data(), 2, off.data()), std::invalid_argument, "got 2 values for batch 1");
+  ring.take(0);  // a reader that picks the branches itself: ready -> consumed, no r
+  CHECK(ring.state(0) == SlotState::consumed);
+  CHECK_THROWS(ring.take(0), std::runtime_error, "cannot take slot 0: it is consumed, expected ready");
+  ring.release(0);
   CHECK_THROWS(ring.state(3), std::invalid_argument, "slot 3 out of range");
   CHECK_THROWS(ring.mark_ready(-1), std::invalid_argument, "slot -1 out of range");
   ring.reset();

@@ -112,6 +112,8 @@ class DeviceBackend(DraftingBackend):
     """Drafting in this process: the context cache here, the backbone as a drafter-lane link beside verification,
     branch r projected (the hidden ring) and the Markov head on the drafter lane."""
 
+    drafts_from_device = True
+
     def __init__(self, dec, drafter, markov: bool = True):
         self.dec, self.drafter, self.d = dec, drafter, dec.d
         self.vocab = drafter.config.vocab_size
@@ -195,13 +197,31 @@ class DeviceBackend(DraftingBackend):
         with branch_selected(dec.ring, out.slot, r.numpy(), dec.head_lane):
             return self.draft_branch(out, dec.slots[out.slot], r, bonus)
 
-    def draft_branch(self, out: Outcome, boundary: Tensor, r: Tensor, bonus: Tensor) -> tuple[Tensor, object]:
+    def draft_from_device(self, pending) -> tuple[Tensor, object]:
+        """draft_from_boundary for a round the host has not read (round/lagged.py): branch pending.r of its slot from
+        pending.bonus, both in device memory, so the ring hands the slot over without host r."""
+        dec = self.dec
+        r, bonus = pending.for_lane(dec.head_lane)
+        dec.ring.take(pending.slot, lane=dec.head_lane.core)
+        try:
+            return self.draft_branch(pending, dec.slots[pending.slot], r, bonus, r_on_host=False)
+        finally:
+            dec.ring.release(pending.slot, dec.head_lane.record())
+
+    def draft_branch(self, out: Outcome, boundary: Tensor, r: Tensor, bonus: Tensor,
+                     r_on_host: bool = True) -> tuple[Tensor, object]:
         """The one way this backend drafts from a slot [B, d+1, d, row]: branch r's logits (the ring's rows, or the
-        hidden ring's rows projected through the output head), then the head."""
+        hidden ring's rows projected through the output head), then the head. `r_on_host`: r may be read on the
+        host (else the hidden ring's rows are gathered by r where it is)."""
         if self.dec.ring_logits:
             return self.markov(boundary, r, bonus)
+        if r_on_host:
+            rows = branch_rows(boundary, r.numpy())
+        else:
+            r = r.to(boundary.device, non_blocking=True)
+            rows = boundary[torch.arange(len(r), device=boundary.device), r]
         with torch.inference_mode():  # grad mode is per thread: without this the host projection is torch's
-            logits = self.drafter.logits(branch_rows(boundary, r.numpy()))  # [B, d, V]
+            logits = self.drafter.logits(rows)  # [B, d, V]
         return self.markov(logits[:, None], self.first_row(len(r)), bonus)
 
     def markov(self, logits: Tensor, r: Tensor, bonus: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -45,6 +45,8 @@ def switched_off() -> frozenset[str]:
 class HostBackend(DeviceBackend):
     """Drafting on the host, in this process or (``worker``: a ``DrafterWorker``) in a worker process."""
 
+    drafts_from_device = False  # its head reads host r (branch guesses, the shared projection)
+
     def __init__(self, dec, drafter, markov: bool = True, worker=None):
         self.worker, self.off = worker, switched_off()
         super().__init__(dec, drafter, markov)

@@ -7,14 +7,18 @@ the next backbone. Round 1 has no draft to verify yet. Greedy, the target verifi
 drafter absorbs the prompt and fills a slot with the one branch of spine [s_0] (r = 0 is that round's only
 outcome). Sampled, it is drafted serially, as a DSpark round: then a seeded request draws the same whether it
 starts a decode or joins a running one, where its first round is the batch's next draft round. Neither is a
-fallback, and none follows.
+fallback, and none follows. With a target that verifies on its device, the host reads each round a round late
+(``run_lagged``): the same drafts and tokens.
 """
 from __future__ import annotations
 
 from dpara_rt.round.decoder import Decoder, Draft, Outcome
+from dpara_rt.round.lagged import LaggedRounds, Pending
 
 
 def run(dec: Decoder, first: Outcome):
+    if lagged_ok(dec):
+        return run_lagged(dec, first)
     drafting = dec.drafting
 
     def launch(prev: Outcome, tokens, q, absorb: bool):  # head lane: verify the draft, fill its slot meanwhile
@@ -39,3 +43,42 @@ def run(dec: Decoder, first: Outcome):
         dec.post(dec.head_lane, "serial_draft", lambda: launch(first, *drafting.draft_serial(first), absorb=False))
     else:
         dec.post(dec.head_lane, "first_round", lambda: launch(first, None, None, absorb=False))
+
+
+def lagged_ok(dec: Decoder) -> bool:
+    """Whether the host may read each round a round late: a target that verifies a block built on its device, the
+    head on the drafter lane of a backend that drafts from device values, a fixed batch."""
+    return (dec.target.block_on_device and dec.drafting.drafts_from_device and not dec.head_on_target
+            and dec.admission is None)
+
+
+def run_lagged(dec: Decoder, first: Outcome):
+    """DPara with round k read while round k+1 is queued (round/lagged.py). The head drafts from the device's
+    (r, bonus) of round k as soon as its verify is queued; once the host has read round k it posts the drafter's
+    context update with it and round k+1's backbone, before round k+1's head (links run in the order posted)."""
+    drafting, lag = dec.drafting, LaggedRounds(dec)
+    unread: list[Pending] = []  # the round queued last, not read yet
+
+    def launch(prev, tokens, q, boundary_now: bool):  # head lane: verify the draft; its slot fills meanwhile
+        slot = dec.ring.acquire(dec.head_lane.core)
+        nxt = dec.no_draft(prev, slot) if tokens is None else dec.send(prev, tokens, q, slot)
+        if boundary_now:  # the first draft: its context is the prompt's, absorbed already
+            drafting.start_boundary(None, nxt)
+        dec.post(dec.target_lane, "verify", lambda: verify(nxt))
+
+    def verify(nxt: Draft):  # target lane
+        pending = lag.verify(nxt)
+        if unread:
+            out = lag.settle(unread.pop())  # the one wait: the round before, while this one is queued
+            if out.finished:
+                return  # the round just queued is never read
+            drafting.start_boundary(out, nxt)  # its context update, then this draft's boundaries
+        unread.append(pending)
+        dec.post(dec.head_lane, "markov_head", lambda: launch(pending, *drafting.draft_from_device(pending),
+                                                              boundary_now=False))
+
+    dec.post(dec.head_lane, "context", lambda: drafting.absorb(first))
+    if dec.opts.sampling:
+        dec.post(dec.head_lane, "serial_draft", lambda: launch(first, *drafting.draft_serial(first), True))
+    else:
+        dec.post(dec.head_lane, "first_round", lambda: launch(first, None, None, True))

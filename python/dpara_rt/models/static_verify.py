@@ -97,7 +97,8 @@ class StaticVerify:
 
     def _forward(self, tokens: Tensor, window: int) -> tuple[Tensor, Tensor | None, Tensor]:
         B, T = tokens.shape
-        positions = self.dev_lengths[:B, None] + self._offsets[:T]
+        # clamped: a finished row the host has not read yet runs on past its room (its tokens are never read)
+        positions = (self.dev_lengths[:B, None] + self._offsets[:T]).clamp_(max=self.cache.max_len - 1)
         logits, features = self.model(tokens, positions, self.cache, self.layer_ids, kv_len=window, recheck=False)
         return logits, features, pack_verified(logits, tokens)
 

@@ -313,26 +313,46 @@ class Target(TargetBase):
         one copy."""
         if self._static is None:
             return super().verify_block(block, features_out, judge)
+        B, T = block.shape
+        logits, feats, read, judged = self.verify_queued(block, features_out, judge)
+        host_block, argmax, judged = unpack_verified(read, B, T, tokens=True, extra=0 if judged is None else
+                                                     judged.numel())
+        return logits, feats, argmax, host_block, judged if argmax is not None else None
+
+    def verify_queued(self, block: Tensor, features_out: Tensor | None = None, judge: Judge | None = None,
+                      ahead: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The static verify with nothing read: (logits [B, T, V], features [B, T, F], what the host reads back: the
+        judge's verdicts then pack_verified's [judged, block, arg-max, finite] long on the device, the verdicts or
+        None). `ahead`: slots the device's lengths may run ahead of the host's (a round the host has not read)."""
+        if self._static is None:
+            raise RuntimeError(f"verify_queued on a target with verify_mode {self.verify_mode!r}; expected a static "
+                               "verify ('static' or 'graphs')")
         block = self._check_verify(block, self._lengths[: self.batch])
         B, T = block.shape
-        logits, feats, packed = self._static.run(block, int(self._lengths[:B].max()))
+        logits, feats, packed = self._static.run(block, int(self._lengths[:B].max()) + ahead)
         self._last_t = T
         feats = self._features(feats, B, T)
         if features_out is not None:
             features_out.copy_(feats)
             feats = features_out
         judged = None if judge is None else judge(logits, block)  # runs on any logits: its verdicts go unread then
-        read = packed if judged is None else torch.cat([judged, packed])
-        host_block, argmax, judged = unpack_verified(read, B, T, tokens=True, extra=0 if judged is None else
-                                                     judged.numel())
-        return logits, feats, argmax, host_block, judged if argmax is not None else None
+        return logits, feats, packed if judged is None else torch.cat([judged, packed]), judged
 
     def commit(self, n: Tensor | np.ndarray):
         """Keep the first n[b] tokens of the last verify for row b (lengths += n); the rest is rolled back."""
+        self.commit_host(n)
+        self._lengths_changed()
+
+    def commit_host(self, n: Tensor | np.ndarray):
+        """commit() of the host's lengths alone: the device's were advanced by commit_on_device already."""
         n = self._check_commit(n)
         self._lengths[: self.batch] += n
         self._last_t = 0
-        self._lengths_changed()
+
+    def commit_on_device(self, keep: Tensor) -> None:
+        """A static verify's device lengths += keep [B] (long, on the device), in the target lane's order, before the
+        host knows keep: the host's lengths follow with commit_host once it has read the round."""
+        self._static.dev_lengths[: self.batch] += keep
 
     def _features(self, feats: Tensor | None, B: int, T: int) -> Tensor:
         if feats is None:

@@ -236,6 +236,13 @@ class Decoder:
 
     def verify(self, draft: Draft) -> Verified:
         """Target lane: the target's forward over [b, t1..td] and what the acceptance rule needs."""
+        block, staged = self.block_for(draft)
+        logits, feats, argmax, block, judged = self.target.verify_block(block, staged, self.judge_for(draft))
+        return self.verified(draft, block, self.features_staged(feats, staged, draft.round % 2), argmax, judged)
+
+    def block_for(self, draft: Draft) -> tuple[Tensor, Tensor | None]:
+        """Target lane: the block [B, T] to verify, and the features staging a host verify writes into (None where the
+        features are staged by a copy: features_staged)."""
         phase = draft.round % 2
         if self.target.block_on_device and draft.tokens is not None:
             # the block is built where the target computes, after the head lane's event: the host reads it back
@@ -252,15 +259,26 @@ class Decoder:
                 torch.cat([draft.bonus[:, None], draft.staged.long().to(draft.bonus.device)], dim=1)
         if draft.tokens is not None and draft.staged is not draft.tokens:
             self.release(self.target_lane, "draft", phase)
-        staged = self._features_in_place(block.shape, phase)
-        judge = None if not self.opts.sampling else (self._pick_bonus if draft.tokens is None else
-                                                      functools.partial(self._judge, draft.q))
-        logits, feats, argmax, block, judged = self.target.verify_block(block, staged, judge)
+        return block, self._features_in_place(block.shape, phase)
+
+    def judge_for(self, draft: Draft):
+        """verify_block's judge of `draft` (None: a greedy round, which the round state accepts from the arg-max)."""
+        if not self.opts.sampling:
+            return None
+        return self._pick_bonus if draft.tokens is None else functools.partial(self._judge, draft.q)
+
+    def features_staged(self, feats: Tensor, staged: Tensor | None, phase: int) -> Tensor:
+        """The verify's features where the drafter reads them: the staging it wrote into, else a staged copy."""
+        if self.drafter is not None and staged is None:
+            return self._stage(self.target_lane, "features", feats, phase)
+        return feats
+
+    def verified(self, draft: Draft, block: Tensor, feats: Tensor, argmax: Tensor | None,
+                 judged: Tensor | None) -> Verified:
+        """What the round state accepts from, out of a verify's read-back (host block, arg-max, judge's verdicts)."""
         if argmax is None:
             raise FloatingPointError(f"round {draft.round}: the target's logits hold non-finite values (NaN or inf); "
                                      "expected finite logits (a damaged model or an overflow in its dtype)")
-        if self.drafter is not None and staged is None:
-            feats = self._stage(self.target_lane, "features", feats, phase)
         if judged is None:  # greedy: the round state accepts from the arg-max
             if draft.tokens is None:  # AR: the bonus is the target's own token
                 return Verified(block, feats, draft.slot, r=_no_acceptance(argmax.shape[0]), bonus=argmax[:, 0])
@@ -302,10 +320,12 @@ class Decoder:
         return torch.cat([torch.where(damaged, stopped_r, r), torch.where(damaged, stopped_bonus, bonus),
                           damaged.long().reshape(1)])
 
-    def accept(self, verified: Verified) -> Outcome:
+    def accept(self, verified: Verified, queued: _core.Event | None = None) -> Outcome:
         """Target lane: commit the round. The C++ round state accepts (greedy) or takes the drawn (r, bonus),
         stops at EOS or max_new_tokens inside the block, and records the round; the target keeps the KV of
-        s_0..s_r."""
+        s_0..s_r. `queued`: a round read a round late (round/lagged.py): the target lane's event right after its
+        verify, which the drafter's reads of it wait for (not the rounds queued since); the device's lengths
+        advanced already."""
         for b in self.admission.retirements() if self.admission is not None else ():
             self.state.retire(b)  # a cancelled request leaves now: nothing of this round is committed for it
         # one core call: this runs every round, right after a verify, and each small array op costs microseconds
@@ -314,17 +334,24 @@ class Decoder:
             verified.block.numpy(), verified.argmax.numpy() if greedy else None,
             None if greedy else verified.r.numpy(), None if greedy else verified.bonus.numpy(), verified.slot, self.metrics)
         r_t, keep_t = torch.from_numpy(r), torch.from_numpy(keep)
-        self.target.commit(keep)
+        if queued is not None:
+            self.target.commit_host(keep)
+        else:
+            self.target.commit(keep)
         # Finished requests keep their last bonus as s_0: their rows still run through the batched forwards.
         bonus_t = torch.from_numpy(bonus)
         rnd = self.state.rounds()
         self.chain.round = rnd
         return Outcome(rnd, r_t, bonus_t, tokens, verified.features, keep_t, self.running_mask(),
-                       self.target_lane.record(), verified.slot, any_running=self.state.num_running() > 0)
+                       self.target_lane.record() if queued is None else queued, verified.slot,
+                       any_running=self.state.num_running() > 0)
 
     def verify_and_accept(self, draft: Draft) -> Outcome:
         """Target-lane link: verify, commit, and hand the round's tokens to the consumer."""
-        out = self.accept(self.verify(draft))
+        return self.conclude(self.accept(self.verify(draft)))
+
+    def conclude(self, out: Outcome) -> Outcome:
+        """Target lane: hand a committed round's tokens to the consumer; the chain ends (or pauses) there."""
         self.chain.emit(out.tokens, hold=True)  # the next verify hands them over, off the critical path
         if not out.finished and self.admission is not None and self.admission.should_pause(out):
             self.paused = out = dataclasses.replace(out, pause=True)

@@ -38,6 +38,9 @@ class BoundaryRing {
   void select(int slot, const std::int64_t* r, std::int64_t n, std::int64_t* offsets_out, Lane* lane = nullptr);
   // select() without the wait: returns the ready event to honour before reading the rows.
   Event select_nowait(int slot, const std::int64_t* r, std::int64_t n, std::int64_t* offsets_out);
+  // ready -> consumed for a reader that picks the branches itself from r in device memory (never on the host):
+  // no offsets; the ready event is waited for on `lane` when given, else on the calling thread.
+  void take(int slot, Lane* lane = nullptr);
   // consumed -> free; `done` (the consumer's event) must complete before the slot is filled again.
   void release(int slot, Event done = {});
   // Wait for every event, then mark all slots free and restart at slot 0 (e.g. between generations).
@@ -65,6 +68,8 @@ class BoundaryRing {
 
  private:
   void check_slot(int slot) const;
+  // ready -> consumed under the lock; returns the slot's ready event. `verb` names the call in the error.
+  Event consume(int slot, const char* verb);
   int capacity_, batch_, d_;
   std::int64_t vocab_;
   DType dtype_;
