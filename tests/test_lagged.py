@@ -1,6 +1,6 @@
-"""DPara's lagged rounds (round/lagged.py): with a static verify the host reads round k while round k+1 is queued,
-and the output is the unlagged round's, bit for bit, greedy and sampled, with requests stopping at different
-rounds."""
+"""Lagged rounds (round/lagged.py; DPara and AR): with a static verify the host reads round k while round k+1 is
+queued, and the output is the unlagged round's, bit for bit, greedy and sampled, with requests stopping at
+different rounds."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,20 +23,21 @@ def pair():
     return predictable_pair(eos=2)
 
 
-def _engine(pair, temperature: float, verify_mode: str, d: int = 4) -> Engine:
+def _engine(pair, temperature: float, verify_mode: str, method: str = "dpara") -> Engine:
     target, drafter = pair
-    return Engine(target, drafter, method="dpara", d=d, drafting="device", drafter_worker="thread",
-                  temperature=temperature, verify_mode=verify_mode)
+    return Engine(target, drafter if method != "ar" else None, method=method, d=4, drafting="device",
+                  drafter_worker="thread", temperature=temperature, verify_mode=verify_mode)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_lagged_rounds_give_the_unlagged_tokens_and_stats(pair, torch_path, monkeypatch, temperature):
+@pytest.mark.parametrize("method", ["ar", "dpara"])
+def test_lagged_rounds_give_the_unlagged_tokens_and_stats(pair, torch_path, monkeypatch, method, temperature):
     settled = []
     settle = lagged.LaggedRounds.settle
     monkeypatch.setattr(lagged.LaggedRounds, "settle", lambda self, p: settled.append(p.round) or settle(self, p))
     runs = {}
     for mode in ("static", "eager"):
-        eng = _engine(pair, temperature, mode)
+        eng = _engine(pair, temperature, mode, method)
         out = eng.generate(PROMPTS, 37, seed=5)  # 37: max_new_tokens lands inside a block
         runs[mode] = out.tokens, out.stats.rounds, out.stats.acceptance_histogram, out.stats.fallback_rate
         eng.close()
@@ -47,14 +48,15 @@ def test_lagged_rounds_give_the_unlagged_tokens_and_stats(pair, torch_path, monk
     assert len(lengths) > 1 or temperature > 0, lengths  # greedy: requests stop at different rounds (EOS)
 
 
-def test_the_host_reads_a_round_after_the_next_is_queued(pair, torch_path, monkeypatch):
+@pytest.mark.parametrize("method", ["ar", "dpara"])
+def test_the_host_reads_a_round_after_the_next_is_queued(pair, torch_path, monkeypatch, method):
     events = []
     verify, settle = lagged.LaggedRounds.verify, lagged.LaggedRounds.settle
     monkeypatch.setattr(lagged.LaggedRounds, "verify",
                         lambda self, draft: events.append(("queue", draft.round)) or verify(self, draft))
     monkeypatch.setattr(lagged.LaggedRounds, "settle",
                         lambda self, p: events.append(("read", p.round)) or settle(self, p))
-    eng = _engine(pair, 0.0, "static")
+    eng = _engine(pair, 0.0, "static", method)
     eng.generate(PROMPTS, 24)
     eng.close()
     queued = [r for what, r in events if what == "queue"]
@@ -65,8 +67,9 @@ def test_the_host_reads_a_round_after_the_next_is_queued(pair, torch_path, monke
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_the_one_wait_of_a_lagged_round_is_the_read_of_the_round_before(pair, torch_path, temperature):
-    eng = _engine(pair, temperature, "static")
+@pytest.mark.parametrize("method", ["ar", "dpara"])
+def test_the_one_wait_of_a_lagged_round_is_the_read_of_the_round_before(pair, torch_path, method, temperature):
+    eng = _engine(pair, temperature, "static", method)
     eng.generate(PROMPTS[:2], 8)
     with HostWaits(sites=True) as w:
         eng.generate(PROMPTS[:2], 40, seed=3)

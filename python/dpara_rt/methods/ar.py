@@ -1,14 +1,35 @@
 """AR: one target forward per token, chained on the target lane through the same round state as the
-speculative methods (so EOS / max_new_tokens, streaming and the timeline work exactly as for them)."""
+speculative methods (so EOS / max_new_tokens, streaming and the timeline work exactly as for them). With a target
+that verifies on its device, the host reads each step while the next is queued (``run_lagged``)."""
 from __future__ import annotations
 
 from dpara_rt.round.decoder import Decoder, Outcome
+from dpara_rt.round.lagged import LaggedRounds, Pending
 
 
 def run(dec: Decoder, first: Outcome):
+    if dec.target.block_on_device and dec.admission is None:
+        return run_lagged(dec, first)
+
     def step(prev: Outcome):  # target lane
         out = dec.verify_and_accept(dec.no_draft(prev))
         if not out.finished:
             dec.post(dec.target_lane, "verify", lambda: step(out))
+
+    dec.post(dec.target_lane, "verify", lambda: step(first))
+
+
+def run_lagged(dec: Decoder, first: Outcome):
+    """AR read a step late (round/lagged.py): step k+1 verifies the device's bonus of step k, queued before the
+    host reads step k."""
+    lag = LaggedRounds(dec)
+    unread: list[Pending] = []  # the step queued last, not read yet
+
+    def step(prev):  # target lane
+        pending = lag.verify(dec.no_draft(prev))
+        if unread and lag.settle(unread.pop()).finished:
+            return  # the step just queued is never read
+        unread.append(pending)
+        dec.post(dec.target_lane, "verify", lambda: step(pending))
 
     dec.post(dec.target_lane, "verify", lambda: step(first))
