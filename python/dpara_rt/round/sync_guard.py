@@ -3,14 +3,14 @@
 ``HostWaits`` counts every call that makes the host wait for a CUDA device when its tensor lives there: a tensor
 read on the host (``item``, ``tolist``, ``numpy``, ``bool()`` / ``int()`` / ``float()`` / ``index()`` of a tensor,
 which covers ``if t.any():``), a copy to the host (``cpu()``, ``to("cpu")``), a synchronous copy to a device
-(``to(device)`` or ``cuda()`` without ``non_blocking=True``), and the ops whose output size is data-dependent
+(``to(device)`` or ``cuda()`` without ``non_blocking=True``), the ops whose output size is data-dependent
 (``nonzero``, a boolean mask as an index, ``masked_select``), and a host-side wait for a lane's event
 (``Event.synchronize``: on a GPU the lane is a stream). On CPU tensors none of these waits, so a CI machine
 without a GPU counts what a GPU would wait for: the count is of calls, whichever device runs them. A read of host
-memory on every machine is no wait: tensors made by ``torch.from_numpy`` (the round state's arrays, numpy views of
-the pinned staging) and their views are left out. torch.Tensor's
-methods are patched for the block (a TorchFunctionMode is per thread and the lanes are threads of their own), so
-the lanes' calls count too; each is attributed to the chain link running in its thread (``chain.LINK_HOOKS``).
+memory on every machine is no wait: tensors made by ``torch.from_numpy`` (the round state's arrays, a read-back)
+and their views are left out. torch.Tensor's methods are patched for the block (a TorchFunctionMode is per thread
+and the lanes are threads of their own), so the lanes' calls count too; each is attributed to the chain link
+running in its thread (``chain.LINK_HOOKS``).
 
 ``Launches`` counts the torch ops dispatched (a TorchDispatchMode entered in every link: views, allocations and
 host reads left out), the kernels a CUDA device would launch, per link and per round.
