@@ -2,9 +2,9 @@
 
 A round's data are values, not decoder state: a ``Draft`` goes from the drafter lane to the target lane, an
 ``Outcome`` from the target lane back to the drafter lane. Between lanes they travel through the core: the
-tokens, ``(r, bonus)`` and the verified block's features through a phase of the double-buffered staging
-(round k uses phase k % 2), boundary logits through a ring slot, each hand-off guarded by the producer's
-lane event, and each phase or slot handed back with the consumer's event. On host lanes the same code is
+tokens and the verified block's features through a phase of the double-buffered staging (round k uses phase
+k % 2), boundary logits through a ring slot, each hand-off guarded by the producer's lane event, and each phase
+or slot handed back with the consumer's event; ``(r, bonus)`` are the round state's own host arrays. On host lanes the same code is
 correct because a job that records or waits on its own lane does so at its current point, as a stream does.
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ from dpara_rt import _core, ops
 class Draft:
     """A draft on its way to verification (head lane -> target lane)."""
     round: int               # the round that verifies it
-    bonus: Tensor            # [B] long, host: s_0, the last round's bonus
+    bonus: Tensor            # [B] long: s_0, the last round's bonus (host; the target's device in a lagged round)
     tokens: Tensor | None    # [B, d] long on the drafter's device: t_1..t_d (None: an AR round)
-    staged: Tensor | None    # the same tokens in staging, int32 [B, d]: what the target lane reads
+    staged: Tensor | None    # what the target lane reads: the tokens in staging (int32 [B, d]), or `tokens`
+    #                          themselves (the head on the target lane, a block built on the target's device)
     q: object                # the drafter's distributions [B, d, V] when sampling, as the drafting backend
     #                          hands them (DraftingBackend.resolve_q gives the tensor); None when greedy
     ready: _core.Event       # drafter lane, after the tokens and q were written
@@ -64,7 +65,7 @@ class Outcome:
     features: Tensor          # [B, T, F] target features of the verified block (of the prompt at round 0)
     keep: Tensor              # [B] long: rows of `features` the drafter absorbs (r+1 for running requests)
     running: Tensor           # [B] bool, after this round
-    ready: _core.Event        # target lane, after features and (r, bonus) were staged
+    ready: _core.Event        # target lane, after the verify wrote the features (and staged them)
     slot: int = -1            # the ring slot holding this round's boundary logits (DPara; -1: none)
     pause: bool = False       # continuous batching: the chain stops here so that waiting requests join
     any_running: bool | None = None  # running.any(), where the caller knows it (None: computed when asked)
