@@ -193,7 +193,7 @@ class DeviceBackend(DraftingBackend):
     def draft_from_boundary(self, out: Outcome) -> tuple[Tensor, object]:
         dec = self.dec
         self.settle()
-        r, bonus = dec.outcome_rb(out)
+        r, bonus = out.r, out.bonus  # the round state's host arrays: this link is posted after they exist
         with branch_selected(dec.ring, out.slot, r.numpy(), dec.head_lane):
             return self.draft_branch(out, dec.slots[out.slot], r, bonus)
 

@@ -4,11 +4,11 @@ that verifies on its device, the host reads each step while the next is queued (
 from __future__ import annotations
 
 from dpara_rt.round.decoder import Decoder, Outcome
-from dpara_rt.round.lagged import LaggedRounds, Pending
+from dpara_rt.round.lagged import LaggedRounds, Pending, can_lag
 
 
 def run(dec: Decoder, first: Outcome):
-    if dec.target.block_on_device and dec.admission is None:
+    if can_lag(dec):
         return run_lagged(dec, first)
 
     def step(prev: Outcome):  # target lane

@@ -13,7 +13,7 @@ fallback, and none follows. With a target that verifies on its device, the host 
 from __future__ import annotations
 
 from dpara_rt.round.decoder import Decoder, Draft, Outcome
-from dpara_rt.round.lagged import LaggedRounds, Pending
+from dpara_rt.round.lagged import LaggedRounds, Pending, can_lag
 
 
 def run(dec: Decoder, first: Outcome):
@@ -46,10 +46,9 @@ def run(dec: Decoder, first: Outcome):
 
 
 def lagged_ok(dec: Decoder) -> bool:
-    """Whether the host may read each round a round late: a target that verifies a block built on its device, the
-    head on the drafter lane of a backend that drafts from device values, a fixed batch."""
-    return (dec.target.block_on_device and dec.drafting.drafts_from_device and not dec.head_on_target
-            and dec.admission is None)
+    """Whether DPara's rounds may be read a round late: can_lag, and the head on the drafter lane of a backend that
+    drafts from device values."""
+    return can_lag(dec) and dec.drafting.drafts_from_device and not dec.head_on_target
 
 
 def run_lagged(dec: Decoder, first: Outcome):

@@ -161,7 +161,7 @@ class Decoder:
         """Prefill and pick each request's first token; the prompt's features go to the drafter directly."""
         logits, feats, prompt_lens = self.chain.run_now(self.target_lane, "prefill",
                                                         lambda: self.target.start(self.prompts))
-        first = self.pick(logits)
+        first = self.pick(logits).cpu()
         committed = np.zeros(len(self.prompts), dtype=np.int64)
         self.state.start(prompt_lens.numpy().astype(np.int64), first.numpy().astype(np.int64), committed)
         return Outcome(0, torch.zeros_like(first), first, [[int(t)] for t in first.tolist()], feats, prompt_lens,
@@ -215,16 +215,11 @@ class Decoder:
         """An AR round: the block is the last bonus alone."""
         return Draft(prev.round + 1, prev.bonus, None, None, None, _core.Event(), slot)
 
-    def outcome_rb(self, out: Outcome) -> tuple[Tensor, Tensor]:
-        """Head lane: (r [B], bonus [B]) of `out`, host arrays the round state made: the link that reads them is
-        posted after they exist, so neither lane waits for the other (a drafter in another process runs its head on
-        the target lane)."""
-        return out.r, out.bonus
-
     # ------------------------------------------------------------------ verification
     def pick(self, logits: Tensor) -> Tensor:
+        """Each row's token from its logits [B, V], drawn where they are, with the decode's options."""
         o = self.opts
-        return sample(logits, o.temperature, o.top_p, self.generator, o.top_k).cpu()
+        return sample(logits, o.temperature, o.top_p, self.generator, o.top_k)
 
     def pick_row(self, b: int, logits: Tensor) -> int:
         """Row b's token from its logits [V], with that row's options and random stream (an admitted request's
@@ -292,8 +287,7 @@ class Decoder:
 
     def _pick_bonus(self, logits: Tensor, block: Tensor) -> Tensor:
         """An AR round's sampled token [B], where the logits are (verify_block's judge)."""
-        o = self.opts
-        return sample(logits[:, 0], o.temperature, o.top_p, self.generator, o.top_k)
+        return self.pick(logits[:, 0])
 
     def _judge(self, q, logits: Tensor, block: Tensor) -> Tensor:
         """verify_block's judge of a sampled round, where the logits are: [r (B), bonus (B), 1 if the drafter's q held

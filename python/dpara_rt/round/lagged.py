@@ -72,6 +72,12 @@ class Pending:
         return self.draft.slot
 
 
+def can_lag(dec) -> bool:
+    """Whether a decode's rounds may be read a round late: its target verifies a block built on its device, and its
+    batch is fixed (continuous batching changes rows between rounds, which needs every round read)."""
+    return dec.target.block_on_device and dec.admission is None
+
+
 def accept_on_device(tokens: Tensor, argmax: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy acceptance where the logits are: (r [B], bonus [B]) of a block tokens [B, T] and its arg-max [B, T]:
     r is the longest prefix of t_1..t_d that the arg-max predicted, the bonus the arg-max after it."""
@@ -121,10 +127,10 @@ class LaggedRounds:
         dec = self.dec
         B, T = p.shape
         host_block, argmax, judged = unpack_verified(p.read.get(), B, T, tokens=True, extra=p.judged)
-        verified = dec.verified(p.draft, host_block, p.features, argmax, judged if argmax is not None else None)
+        verified = dec.verified(p.draft, host_block, p.features, argmax, judged)  # raises where argmax is None
         out = dec.accept(verified, queued=p.ready)
         self.alive.copy_(ops.upload(out.running.long(), self.alive.device), non_blocking=True)
         return dec.conclude(out)
 
 
-__all__ = ["HostCopy", "LaggedRounds", "Pending", "accept_on_device"]
+__all__ = ["HostCopy", "LaggedRounds", "Pending", "accept_on_device", "can_lag"]
