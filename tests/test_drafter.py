@@ -327,6 +327,41 @@ def test_extend_and_crop_equal_building_from_scratch(drafter):
     torch.testing.assert_close(drafter.boundary_logits(cache, spine), drafter.boundary_logits(scratch, spine))
 
 
+@pytest.mark.parametrize("convention", ["anchor", "mask"])
+def test_a_context_grown_on_the_device_drafts_what_the_hosts_does(drafter, mask_rows_drafter, convention,
+                                                                   torch_path, monkeypatch):
+    """A round the host has not read: the keep rows absorbed at the device's lengths (every row written, the rest
+    past them), the host's lengths a round behind, the block read from a window of the host's longest + ahead."""
+    from dpara_rt.models import kv_cache
+
+    drafter = drafter if convention == "anchor" else mask_rows_drafter
+    monkeypatch.setattr(kv_cache, "WINDOW", 1)  # the window is exactly the host's longest + ahead
+    g = torch.Generator().manual_seed(3)
+    f, d = drafter.config.feature_size, 3
+    prompt, rounds = torch.randn(3, 6, f, generator=g), [torch.randn(3, d + 1, f, generator=g) for _ in range(3)]
+    keeps = [torch.tensor([4, 1, 2]), torch.tensor([2, 4, 1]), torch.tensor([1, 3, 4])]
+    anchor = torch.tensor([5, 9, 2])
+    host, dev = drafter.new_context_cache(3, 40), drafter.new_context_cache(3, 40)
+    for cache in (host, dev):
+        drafter.extend_context(cache, prompt, torch.tensor([6, 3, 5]))
+    dev.track_on_device()
+    for i, (feats, keep) in enumerate(zip(rounds, keeps)):
+        drafter.extend_context(host, feats, keep)
+        drafter.extend_context(dev, feats, keep.clone(), on_device=True)
+        if i:  # the host's lengths follow a round late
+            dev.lengths += keeps[i - 1]
+        assert dev.dev_lengths.tolist() == host.lengths.tolist()
+        want = drafter.block_logits(host, anchor, d)
+        torch.testing.assert_close(drafter.block_logits(dev, anchor, d, ahead=d + 1), want)
+        if i:  # the window matters: without the round the host has not read, the block sees less context
+            assert not torch.allclose(drafter.block_logits(dev, anchor, d, ahead=0), want)
+        spine = torch.randint(0, drafter.config.vocab_size, (3, d + 1), generator=g)  # the tree, the same way
+        torch.testing.assert_close(drafter.boundary_logits(dev, spine, ahead=d + 1),
+                                   drafter.boundary_logits(host, spine))
+    with pytest.raises(ValueError, match="a prefix of 2 tokens at the device's lengths"):
+        drafter.block_logits(dev, anchor, d, prefix=torch.tensor([[1, 2]] * 3), ahead=d + 1)
+
+
 def test_save_load_gives_identical_logits(drafter, tiny_target, tmp_path):
     save_drafter(drafter, tmp_path)
     names = set(json.load(open(tmp_path / "drafter_config.json"))["config"])

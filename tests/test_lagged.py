@@ -1,4 +1,4 @@
-"""Lagged rounds (round/lagged.py; DPara and AR): with a static verify the host reads round k while round k+1 is
+"""Lagged rounds (round/lagged.py; DPara, DSpark and AR): with a static verify the host reads round k while round k+1 is
 queued, and the output is the unlagged round's, bit for bit, greedy and sampled, with requests stopping at
 different rounds."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dpara_rt import _core
 from dpara_rt.core import slot_tensor
 from dpara_rt.engine import Engine
 from dpara_rt.methods import dpara
+from dpara_rt.models import kv_cache
 from dpara_rt.round import lagged
 from dpara_rt.round.sync_guard import HostWaits
 from engine_pairs import predictable_pair
@@ -30,8 +31,9 @@ def _engine(pair, temperature: float, verify_mode: str, method: str = "dpara") -
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("method", ["ar", "dpara"])
+@pytest.mark.parametrize("method", ["ar", "dspark", "dflash", "dpara"])
 def test_lagged_rounds_give_the_unlagged_tokens_and_stats(pair, torch_path, monkeypatch, method, temperature):
+    monkeypatch.setattr(kv_cache, "WINDOW", 1)  # the drafter's context window: the host's longest + ahead, exactly
     settled = []
     settle = lagged.LaggedRounds.settle
     monkeypatch.setattr(lagged.LaggedRounds, "settle", lambda self, p: settled.append(p.round) or settle(self, p))
@@ -48,7 +50,7 @@ def test_lagged_rounds_give_the_unlagged_tokens_and_stats(pair, torch_path, monk
     assert len(lengths) > 1 or temperature > 0, lengths  # greedy: requests stop at different rounds (EOS)
 
 
-@pytest.mark.parametrize("method", ["ar", "dpara"])
+@pytest.mark.parametrize("method", ["ar", "dspark", "dpara"])
 def test_the_host_reads_a_round_after_the_next_is_queued(pair, torch_path, monkeypatch, method):
     events = []
     verify, settle = lagged.LaggedRounds.verify, lagged.LaggedRounds.settle
@@ -67,7 +69,7 @@ def test_the_host_reads_a_round_after_the_next_is_queued(pair, torch_path, monke
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("method", ["ar", "dpara"])
+@pytest.mark.parametrize("method", ["ar", "dspark", "dpara"])
 def test_the_one_wait_of_a_lagged_round_is_the_read_of_the_round_before(pair, torch_path, method, temperature):
     eng = _engine(pair, temperature, "static", method)
     eng.generate(PROMPTS[:2], 8)

@@ -23,7 +23,8 @@ class DraftingBackend:
 
     head_on_target: bool = False  # the Markov head runs on the target lane, right after verification
     shared_buffers: bool = False  # staging and ring must be in shared memory (another process maps them)
-    drafts_from_device: bool = False  # has draft_from_device: DPara's head on (r, bonus) the host has not read
+    # has draft_from_device, draft_serial_from_device and start_boundary_on_device: a lagged round's drafting
+    drafts_from_device: bool = False
 
     # -------------------------------------------------------------- the decode's shape
     def map_buffers(self, staging, ring) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,20 +28,30 @@ class LocalContext:
     def map_buffers(self, staging, ring) -> None:
         """Nothing to map: the caller hands tensors over directly."""
 
-    def absorb(self, features: Tensor, keep: Tensor) -> None:
-        """Append the first keep[b] rows of features [B, T, F] to row b of the context."""
-        self.drafter.extend_context(self.cache, features.to(self.drafter.device, non_blocking=True), keep)
+    def absorb(self, features: Tensor, keep: Tensor, on_device: bool = False) -> None:
+        """Append the first keep[b] rows of features [B, T, F] to row b of the context (`on_device`: keep in device
+        memory, at the device's lengths; the first such call starts keeping them, from the host's)."""
+        if on_device and self.cache.dev_lengths is None:
+            self.cache.track_on_device()
+        self.drafter.extend_context(self.cache, features.to(self.drafter.device, non_blocking=True), keep, on_device)
+
+    def follow(self, keep) -> None:
+        """The host's lengths += keep [B] (host), after rows the device absorbed already."""
+        lengths = self.cache.host_lengths
+        lengths[:] = np.minimum(lengths + keep, self.cache.max_len)
 
     def block_logits(self, bonus: Tensor, n: int, untrained_ok: bool, prefix: Tensor | None = None,
-                     prefix_seen: Tensor | None = None) -> Tensor:
-        """A serial block's logits [B, n, V] (`prefix` / `prefix_seen`: PSD's feature-less spine before it)."""
+                     prefix_seen: Tensor | None = None, ahead: int | None = None) -> Tensor:
+        """A serial block's logits [B, n, V] (`prefix` / `prefix_seen`: PSD's feature-less spine before it; `ahead`:
+        at the device's lengths, at most that far past the host's)."""
         return self.drafter.block_logits(self.cache, bonus, n, prefix=prefix, prefix_seen=prefix_seen,
-                                         untrained_ok=untrained_ok, checked=True)
+                                         untrained_ok=untrained_ok, checked=True, ahead=ahead)
 
-    def boundary(self, spine: Tensor, slot: int, out: Tensor, project: bool) -> None:
+    def boundary(self, spine: Tensor, slot: int, out: Tensor, project: bool, ahead: int | None = None) -> None:
         """Boundary logits (or the branches' hidden states) of `spine` [B, k <= d+1] into ring slot `out` (its
-        branches 0..k-1)."""
-        self.drafter.boundary_logits(self.cache, spine, out=out, project=project, d=out.shape[2], checked=True)
+        branches 0..k-1); `ahead`: at the device's lengths, over a window of granules."""
+        self.drafter.boundary_logits(self.cache, spine, out=out, project=project, d=out.shape[2], checked=True,
+                                     ahead=ahead)
 
     def reset_row(self, b: int, features: Tensor) -> None:
         """Row b of the context: emptied, then `features` [T, F] (a request joining a serving decode)."""
@@ -156,10 +167,14 @@ class DeviceBackend(DraftingBackend):
         self.row_origin[b] = self.calls
 
     # -------------------------------------------------------------- a round's calls
-    def absorb(self, out: Outcome) -> None:
+    def absorb(self, out: Outcome, on_device: bool = False) -> None:
         dec = self.dec
         dec.head_lane.wait(out.ready)
-        self.context.absorb(out.features, out.keep)
+        if on_device:  # at the device's lengths (static shapes); the host's follow at once, keep being known
+            self.context.absorb(out.features, ops.upload(out.keep, self.drafter.device), on_device=True)
+            self.context.follow(out.keep.numpy())
+        else:
+            self.context.absorb(out.features, out.keep)
         if out.round > 0:
             dec.release(dec.head_lane, "features", out.phase)
 
@@ -173,6 +188,21 @@ class DeviceBackend(DraftingBackend):
         draft, q = self.markov(logits[:, None], self.first_row(len(prev.bonus)), prev.bonus)
         return (draft, q, logits) if with_logits else (draft, q)
 
+    def draft_serial_from_device(self, pending, ahead: int) -> tuple[Tensor, object]:
+        """draft_serial for a round the host has not read (round/lagged.py): its keep rows absorbed at the
+        context's device lengths, then the block anchored at its device bonus; the host's lengths follow with
+        ``follow_context``. `ahead`: how far the device's lengths may run past the host's."""
+        dec = self.dec
+        _, bonus = pending.for_lane(dec.drafter_lane)
+        self.context.absorb(pending.features, pending.keep, on_device=True)
+        dec.release(dec.drafter_lane, "features", pending.round % 2)
+        logits = self.context.block_logits(bonus, self.d, untrained_ok=False, ahead=ahead)
+        return self.markov(logits[:, None], self.first_row(len(bonus)), bonus)
+
+    def follow_context(self, out: Outcome) -> None:
+        """Drafter lane: the context's host lengths catch up with a round the device absorbed already."""
+        self.context.follow(out.keep.numpy())
+
     def block_logits(self, bonus: Tensor, n: int, prefix: Tensor | None = None,
                      prefix_seen: Tensor | None = None) -> Tensor:
         return self.context.block_logits(bonus, n, untrained_ok=True, prefix=prefix, prefix_seen=prefix_seen)
@@ -183,11 +213,19 @@ class DeviceBackend(DraftingBackend):
             dec.post(dec.drafter_lane, "context", lambda: self.absorb(prev))
         dec.post(dec.drafter_lane, "backbone", lambda: self.fill_boundary(draft))
 
-    def fill_boundary(self, draft: Draft) -> None:
-        """Drafter lane, beside verification: the boundary logits of every outcome of `draft` into its ring slot."""
+    def start_boundary_on_device(self, prev: Outcome, draft: Draft) -> None:
+        """start_boundary in a lagged round: the context grows at its device lengths and the backbone attends to a
+        window of them, in shapes that change only when the window does (what a captured graph needs)."""
+        dec = self.dec
+        dec.post(dec.drafter_lane, "context", lambda: self.absorb(prev, on_device=True))
+        dec.post(dec.drafter_lane, "backbone", lambda: self.fill_boundary(draft, ahead=0))
+
+    def fill_boundary(self, draft: Draft, *, ahead: int | None = None) -> None:
+        """Drafter lane, beside verification: the boundary logits of every outcome of `draft` into its ring slot
+        (`ahead`: at the context's device lengths)."""
         dec = self.dec
         boundary = dec.slots[draft.slot]
-        self.context.boundary(draft.spine(boundary.device), draft.slot, boundary, dec.ring_logits)
+        self.context.boundary(draft.spine(boundary.device), draft.slot, boundary, dec.ring_logits, ahead)
         dec.ring.mark_ready(draft.slot, dec.drafter_lane.record())
 
     def draft_from_boundary(self, out: Outcome) -> tuple[Tensor, object]:

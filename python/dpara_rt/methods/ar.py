@@ -4,7 +4,7 @@ that verifies on its device, the host reads each step while the next is queued (
 from __future__ import annotations
 
 from dpara_rt.round.decoder import Decoder, Outcome
-from dpara_rt.round.lagged import LaggedRounds, Pending, can_lag
+from dpara_rt.round.lagged import LaggedRounds, can_lag
 
 
 def run(dec: Decoder, first: Outcome):
@@ -23,13 +23,10 @@ def run_lagged(dec: Decoder, first: Outcome):
     """AR read a step late (round/lagged.py): step k+1 verifies the device's bonus of step k, queued before the
     host reads step k."""
     lag = LaggedRounds(dec)
-    unread: list[Pending] = []  # the step queued last, not read yet
 
     def step(prev):  # target lane
-        pending = lag.verify(dec.no_draft(prev))
-        if unread and lag.settle(unread.pop()).finished:
-            return  # the step just queued is never read
-        unread.append(pending)
-        dec.post(dec.target_lane, "verify", lambda: step(pending))
+        pending = lag.step(dec.no_draft(prev))
+        if pending is not None:
+            dec.post(dec.target_lane, "verify", lambda: step(pending))
 
     dec.post(dec.target_lane, "verify", lambda: step(first))

@@ -13,7 +13,7 @@ fallback, and none follows. With a target that verifies on its device, the host 
 from __future__ import annotations
 
 from dpara_rt.round.decoder import Decoder, Draft, Outcome
-from dpara_rt.round.lagged import LaggedRounds, Pending, can_lag
+from dpara_rt.round.lagged import LaggedRounds, can_lag
 
 
 def run(dec: Decoder, first: Outcome):
@@ -56,7 +56,6 @@ def run_lagged(dec: Decoder, first: Outcome):
     (r, bonus) of round k as soon as its verify is queued; once the host has read round k it posts the drafter's
     context update with it and round k+1's backbone, before round k+1's head (links run in the order posted)."""
     drafting, lag = dec.drafting, LaggedRounds(dec)
-    unread: list[Pending] = []  # the round queued last, not read yet
 
     def launch(prev, tokens, q, boundary_now: bool):  # head lane: verify the draft; its slot fills meanwhile
         slot = dec.ring.acquire(dec.head_lane.core)
@@ -66,15 +65,11 @@ def run_lagged(dec: Decoder, first: Outcome):
         dec.post(dec.target_lane, "verify", lambda: verify(nxt))
 
     def verify(nxt: Draft):  # target lane
-        pending = lag.verify(nxt)
-        if unread:
-            out = lag.settle(unread.pop())  # the one wait: the round before, while this one is queued
-            if out.finished:
-                return  # the round just queued is never read
-            drafting.start_boundary(out, nxt)  # its context update, then this draft's boundaries
-        unread.append(pending)
-        dec.post(dec.head_lane, "markov_head", lambda: launch(pending, *drafting.draft_from_device(pending),
-                                                              boundary_now=False))
+        # once round k is read: its context update, then this draft's boundaries
+        pending = lag.step(nxt, lambda out: drafting.start_boundary_on_device(out, nxt))
+        if pending is not None:
+            dec.post(dec.head_lane, "markov_head", lambda: launch(pending, *drafting.draft_from_device(pending),
+                                                                  boundary_now=False))
 
     dec.post(dec.head_lane, "context", lambda: drafting.absorb(first))
     if dec.opts.sampling:

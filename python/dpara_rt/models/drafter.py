@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
-from functools import lru_cache
 from typing import Callable, Sequence
 
 import numpy as np
@@ -18,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dpara_rt.kernels.tree_attention import tree_mask, tree_position_offsets
 from dpara_rt.host import qwen3 as host_qwen3
 from dpara_rt.host.linear import HostLinear, native_target
 from dpara_rt.host.qwen3 import HostQwen3
-from dpara_rt.models.kv_cache import KVCache, host_counts
+from dpara_rt.models.kv_cache import ContextCache, host_counts
+from dpara_rt.models.layouts import host_tree_layout, serial_layout, tree_layout
 from dpara_rt.models.qwen3 import RMSNorm, RopeTable, WeightPlaced, apply_rope, rope_inv_freq
 from dpara_rt import ops
 from dpara_rt.ops import MAX_DRAFT, tree_attention
@@ -129,50 +128,6 @@ class DrafterConfig:
                    vocab_size=t.vocab_size, block_size=block_size, markov_rank=markov_rank)
 
 
-# ---------------------------------------------------------------- layouts (shared by runtime and training)
-@lru_cache(maxsize=64)
-def serial_layout(d: int, prefix_len: int = 0) -> tuple[Tensor, Tensor]:
-    """Layout (a): ``prefix_len`` feature-less tokens (causal), then the block ``[anchor, MASK x (d-1)]``.
-
-    Returns position offsets (relative to the cache length) [P+d] and visibility [P+d, P+d]
-    (row attends to column). Block rows see the whole prefix and the block bidirectionally.
-    """
-    q = prefix_len + d
-    visible = torch.ones(q, q, dtype=torch.bool).tril_()
-    visible[prefix_len:, prefix_len:] = True
-    return torch.arange(q), visible
-
-
-@lru_cache(maxsize=64)
-def tree_layout(d: int) -> tuple[Tensor, Tensor]:
-    """Layout (b): spine s_0..s_d then branch r = 0..d (d rows each); offsets [Q] and visibility [Q, Q]
-    (cached: do not modify). The core's tree metadata owns the layout; this is its torch form.
-
-    Spine i sits at offset i and sees spine 0..i; branch r row j sits at offset r+1+j (its first row
-    stands where the unknown bonus will be) and sees spine 0..r plus all of branch r.
-    """
-    return tree_position_offsets(d), tree_mask(d)
-
-
-@lru_cache(maxsize=64)
-def host_tree_layout(d: int, lead: int, branches: int | None = None) -> tuple[Tensor, Tensor, int]:
-    """Layout (b) as the host backbone runs it for branches 0..branches-1 (default all d+1): offsets [Q'],
-    visibility [Q', Q'] (uint8) and keep_from. The host backbone takes its rows in any order, so it skips what
-    the output never depends on: the spine past s_{branches-1} and the branches after it (with a lead, DFlash's
-    bonus slot, w = d + lead, that is at least branch w and the spine entry only it sees), and past the last
-    layer's attention every row but the branches' draft rows, which come last: the output is the draft rows of
-    the branches [branches d]. Each kept row sees the same rows in the same order as in tree_layout(w), so its
-    outputs are the same bits."""
-    k = d + 1 if branches is None else branches
-    w = d + lead
-    offsets, visible = tree_layout(w)
-    first = w + 1  # branch r's row j is tree row first + r w + j
-    rows = (list(range(k)) + [first + r * w + j for r in range(k) for j in range(lead)]
-            + [first + r * w + j for r in range(k) for j in range(lead, w)])
-    rows = torch.tensor(rows)
-    return offsets[rows], visible[rows][:, rows].to(torch.uint8).contiguous(), k * (1 + lead)
-
-
 # ---------------------------------------------------------------- modules
 class _Attention(nn.Module):
     def __init__(self, c: DrafterConfig):
@@ -209,20 +164,6 @@ class _Layer(nn.Module):
 
     def mlp(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class ContextCache(KVCache):
-    """Per-layer K/V of the injected context: k, v [layers, B, kv_heads, max_len, head_dim]; lengths [B] (cpu)."""
-
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        """Layer i's K/V trimmed to the longest row (what attention needs)."""
-        n = self.longest()
-        return self.k[i, :, :, :n], self.v[i, :, :, :n]
-
-    def layers(self) -> list[tuple[Tensor, Tensor]]:
-        """Every layer's K/V trimmed to the longest row, the lengths read once."""
-        n = self.longest()
-        return [(self.k[i, :, :, :n], self.v[i, :, :, :n]) for i in range(self.k.shape[0])]
 
 
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -472,12 +413,21 @@ class Drafter(WeightPlaced, nn.Module):
             raise ValueError(f"{what} has batch {batch} but the context cache holds {cache.batch} rows")
 
     @torch.inference_mode()  # inference mode is per thread: lanes call these from worker threads
-    def extend_context(self, cache: ContextCache, features: Tensor, n: Tensor) -> None:
-        """Append the first n[b] rows of features[b] [B,T,F] at cache.lengths[b] (the accepted tokens)."""
+    def extend_context(self, cache: ContextCache, features: Tensor, n: Tensor, on_device: bool = False) -> None:
+        """Append the first n[b] rows of features[b] [B,T,F] at cache.lengths[b] (the accepted tokens).
+        ``on_device``: at cache.dev_lengths[b], with n [B] in device memory (a round the host has not read): every
+        row is written, those past n[b] beyond the new length (never read: the next extend overwrites them), and
+        only dev_lengths advance."""
         if features.dim() != 3:
             raise ValueError(f"features must be [B, T, F], got shape {tuple(features.shape)}")
         b, t, _ = features.shape
         self._check_cache(cache, b, "features")
+        if on_device:
+            pos = (cache.dev_lengths[:, None] + torch.arange(t, device=cache.k.device)).clamp_(max=cache.max_len - 1)
+            for i, (k, v) in enumerate(self.context_kv(ops.upload(features, cache.k.device), pos)):
+                cache.write(i, pos, k.transpose(1, 2), v.transpose(1, 2))
+            cache.dev_lengths += n
+            return
         counts = host_counts(n)  # the counts and lengths are host memory: numpy, no torch op a round
         if counts.shape[0] != b or (counts < 0).any() or (counts > t).any():
             raise ValueError(f"n={counts.tolist()}: expected {b} counts in [0, {t}]")
@@ -488,6 +438,7 @@ class Drafter(WeightPlaced, nn.Module):
         pos = torch.from_numpy(np.minimum(lengths[:, None] + np.arange(t), cache.max_len - 1))  # rows >= n dropped
         if self._host_context(cache, features, torch.from_numpy(counts), pos):
             lengths[:] = new_len
+            cache.lengths_changed()
             return
         dev = cache.k.device
         kv = self.context_kv(ops.upload(features, dev), pos)
@@ -498,6 +449,7 @@ class Drafter(WeightPlaced, nn.Module):
             cache.k[i, rows, :, dst] = k[rows, :, cols].to(cache.k.dtype)
             cache.v[i, rows, :, dst] = v[rows, :, cols].to(cache.v.dtype)
         lengths[:] = new_len
+        cache.lengths_changed()
 
     @torch.inference_mode()
     def crop(self, cache: ContextCache, lengths: Tensor | int) -> None:
@@ -507,6 +459,7 @@ class Drafter(WeightPlaced, nn.Module):
             raise ValueError(f"crop to {lengths.tolist()}: expected 0 <= length <= current "
                              f"{cache.lengths.tolist()} per row")
         cache.lengths.copy_(lengths)
+        cache.lengths_changed()
 
     # ------------------------------------------------------------ the two layouts
     def _check_d(self, d: int, untrained_ok: bool = False) -> None:
@@ -543,7 +496,7 @@ class Drafter(WeightPlaced, nn.Module):
     @torch.inference_mode()
     def block_logits(self, cache: ContextCache, anchor: Tensor, d: int, prefix: Tensor | None = None,
                      mask_anchor: bool = False, prefix_seen: Tensor | None = None,
-                     untrained_ok: bool = False, checked: bool = False) -> Tensor:
+                     untrained_ok: bool = False, checked: bool = False, ahead: int | None = None) -> Tensor:
         """Layout (a): [anchor, MASK x (d-1)] at positions lengths[b].. -> d logits [B, d, V]. Under the DFlash
         convention (draft_rows "mask") the block is [anchor, MASK x d] and the logits are the mask rows'.
 
@@ -552,7 +505,8 @@ class Drafter(WeightPlaced, nn.Module):
         that request b accepted prefix_seen[b] - 1 draft tokens). ``mask_anchor`` replaces the anchor by MASK
         (what branch r of layout (b) sees at the bonus position). ``untrained_ok``: a caller that knowingly
         reads past block_size (PSD's bonus guess) is not warned. ``checked``: anchor and prefix are the runtime's
-        own token ids (a decode's), not checked again.
+        own token ids (a decode's), not checked again. ``ahead``: the block stands at cache.dev_lengths, which may
+        run `ahead` slots past the host's lengths (a round the host has not read; no prefix then).
         """
         self._check_d(d, untrained_ok)
         b = cache.batch
@@ -563,6 +517,14 @@ class Drafter(WeightPlaced, nn.Module):
         p, lead = prefix.shape[1], self.config.lead
         tokens = torch.cat([prefix, anchor, torch.full((b, d - 1 + lead), MASK_ID, device=anchor.device)], dim=1)
         offsets, visible = serial_layout(d + lead, p)
+        dev = anchor.device
+        if ahead is not None:
+            if p:
+                raise ValueError(f"a prefix of {p} tokens at the device's lengths; expected none (ahead={ahead})")
+            ctx_kv = cache.layers(cache.window(ahead))
+            positions = (cache.dev_lengths[:, None] + ops.upload(offsets, dev)).clamp_(max=cache.max_len - 1)
+            attend = self._context_attend(ctx_kv, cache.dev_lengths, visible[None], tokens.shape[1])
+            return self.logits(self.backbone(tokens, positions, ctx_kv, attend, keep_from=lead))
         positions = cache.lengths[:, None] + offsets
         visible = visible[None]
         if prefix_seen is not None:
@@ -575,19 +537,22 @@ class Drafter(WeightPlaced, nn.Module):
         h = self.host_backbone(tokens, positions, cache, visible if visible.shape[0] > 1 else visible[0], p + lead)
         if h is None:
             ctx_kv = cache.layers()
-            lc = ctx_kv[0][0].shape[2]
-            dev = anchor.device
             # built where attention runs from the uploaded lengths: no synchronous copy of a host mask
-            lens = ops.upload(cache.lengths, dev)
-            ctx_visible = (torch.arange(lc, device=dev)[None, :] < lens[:, None])[:, None]
-            ctx_visible = ctx_visible.expand(b, tokens.shape[1], lc)
-            attend = dense_attend(ctx_visible, ops.upload(visible, dev), self.scale)
+            attend = self._context_attend(ctx_kv, ops.upload(cache.lengths, dev), visible, tokens.shape[1])
             h = self.backbone(tokens, ops.upload(positions, dev), ctx_kv, attend, keep_from=p + lead)
         return self.logits(h)
 
+    def _context_attend(self, ctx_kv, lens: Tensor, visible: Tensor, q: int) -> Attend:
+        """dense_attend of q block rows over the context slots of ctx_kv below lens [B] (on the device) and the
+        block's own visibility [B|1, q, q]."""
+        lc, dev = ctx_kv[0][0].shape[2], lens.device
+        ctx_visible = (torch.arange(lc, device=dev)[None, :] < lens[:, None])[:, None].expand(len(lens), q, lc)
+        return dense_attend(ctx_visible, ops.upload(visible, dev), self.scale)
+
     @torch.inference_mode()
     def boundary_logits(self, cache: ContextCache, spine: Tensor, out: Tensor | None = None,
-                        project: bool = True, d: int | None = None, checked: bool = False) -> Tensor:
+                        project: bool = True, d: int | None = None, checked: bool = False,
+                        ahead: int | None = None) -> Tensor:
         """Layout (b): spine s_0..s_d at positions lengths[b]..; branch r = d MASK rows at lengths[b]+r+1..;
         one backbone forward with tree attention -> boundary logits [B, d+1, d, V] (into ``out`` if given).
         ``project=False`` stops before the output head: the branches' final hidden states [B, d+1, d, H], of
@@ -599,7 +564,9 @@ class Drafter(WeightPlaced, nn.Module):
 
         Under the DFlash convention a branch is d+1 rows (its bonus slot, then the d draft rows), so the tree is
         built for width w = d+1 with one spine entry past s_d; only the unused branch w sees that entry.
-        ``checked``: the spine is the runtime's own token ids (a decode's), not checked again."""
+        ``checked``: the spine is the runtime's own token ids (a decode's), not checked again. ``ahead``: the tree
+        stands at cache.dev_lengths, at most `ahead` slots past the host's lengths, and attends to a window of
+        granules (ContextCache.window): shapes that change only when the window does."""
         b = cache.batch
         spine = self._rows_tokens(spine, b, "spine", checked)
         k = spine.shape[1]
@@ -617,19 +584,23 @@ class Drafter(WeightPlaced, nn.Module):
         lead, dev = self.config.lead, spine.device
         offsets, visible, keep_from = host_tree_layout(d, lead, k)
         tokens = torch.cat([spine, torch.full((b, len(offsets) - k), MASK_ID, device=dev)], dim=1)
-        h = self.host_backbone(tokens, ops.upload(cache.lengths[:, None] + offsets, dev), cache, visible, keep_from)
+        h = None if ahead is not None else self.host_backbone(tokens, ops.upload(cache.lengths[:, None] + offsets, dev),
+                                                              cache, visible, keep_from)
         if h is None:  # the tree kernels' layout, padded past s_{k-1}: branches 0..k-1 never see the padding
             w = d + lead
             spine = torch.cat([spine, spine[:, -1:].expand(b, w + 1 - k)], dim=1)
             offsets, visible = tree_layout(w)
             tokens = torch.cat([spine, torch.full((b, (w + 1) * w), MASK_ID, device=dev)], dim=1)
-            positions = ops.upload(cache.lengths[:, None] + offsets, dev)
-            ctx_lens = ops.upload(cache.lengths, dev)
+            if ahead is None:
+                positions = ops.upload(cache.lengths[:, None] + offsets, dev)
+                ctx_lens, ctx_kv = ops.upload(cache.lengths, dev), cache.layers()
+            else:
+                ctx_lens, ctx_kv = cache.dev_lengths, cache.layers(cache.window(ahead))
+                positions = (ctx_lens[:, None] + ops.upload(offsets, dev)).clamp_(max=cache.max_len - 1)
 
             def attend(q, k_ctx, v_ctx, k_tree, v_tree):  # the cache's lengths: checked as they grew
                 return tree_attention(q, k_ctx, v_ctx, ctx_lens, k_tree, v_tree, w, self.scale, lens_checked=True)
 
-            ctx_kv = cache.layers()
             h = self.backbone(tokens, positions, ctx_kv, attend, keep_from=w + 1)
             h = h.view(b, w + 1, w, -1)[:, :k, lead:].reshape(b, k * d, -1)  # branches 0..k-1, their draft rows
         if not project:

@@ -11,6 +11,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dpara_rt import ops
+
+WINDOW = 256  # attention window granule (KV slots) of a forward over lengths in device memory: few shapes a decode
+
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
@@ -106,6 +110,41 @@ class KVCache:
             raise ValueError(f"crop to {lengths.tolist()} from {self.lengths.tolist()}: rows {bad} would grow "
                              "or go negative; crop only rolls back")
         self.lengths.copy_(lengths)
+
+
+class ContextCache(KVCache):
+    """The drafter's per-layer K/V of the injected context: k, v [layers, B, kv_heads, max_len, head_dim]; lengths
+    [B] (cpu). A decode whose host reads rounds late also keeps ``dev_lengths`` [B] on the cache's device
+    (``track_on_device``): the drafter's context then grows there before the host knows by how much, and the
+    host's lengths follow a round behind."""
+
+    dev_lengths: Tensor | None = None
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer i's K/V trimmed to the longest row (what attention needs)."""
+        n = self.longest()
+        return self.k[i, :, :, :n], self.v[i, :, :, :n]
+
+    def layers(self, n: int | None = None) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's K/V trimmed to the first n slots (default the longest row, the lengths read once)."""
+        n = self.longest() if n is None else n
+        return [(self.k[i, :, :, :n], self.v[i, :, :, :n]) for i in range(self.k.shape[0])]
+
+    def track_on_device(self) -> None:
+        """Keep dev_lengths from now on, starting from the host's lengths."""
+        with torch.inference_mode(False):  # updated in place by lanes under no_grad
+            self.dev_lengths = torch.zeros(self.batch, dtype=torch.long, device=self.k.device)
+        self.lengths_changed()
+
+    def lengths_changed(self) -> None:
+        """The host's lengths -> dev_lengths (when kept), in the current stream's order, without the host waiting."""
+        if self.dev_lengths is not None:
+            self.dev_lengths.copy_(ops.upload(self.lengths, self.k.device), non_blocking=True)
+
+    def window(self, ahead: int) -> int:
+        """Slots a forward over dev_lengths attends to: the host's longest row plus `ahead` (what the device's
+        lengths may run ahead of the host's), rounded up to WINDOW, at most max_len."""
+        return min(-(-(self.longest() + ahead) // WINDOW) * WINDOW, self.max_len)
 
 
 def host_counts(n) -> np.ndarray:

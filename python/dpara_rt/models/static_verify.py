@@ -28,9 +28,8 @@ import torch
 from torch import Tensor
 
 from dpara_rt import ops
-from dpara_rt.models.kv_cache import KVCache
+from dpara_rt.models.kv_cache import WINDOW, KVCache  # WINDOW: a decode captures one graph per granule it reaches
 
-WINDOW = 256  # attention window granule (KV slots): a decode captures one graph per granule it reaches
 STATIC_MODES = ("graphs", "static")
 
 

@@ -1,11 +1,13 @@
 """Rounds the host reads one round late: a target that verifies on its device (a static verify), DPara with its
-head on the drafter lane (methods/dpara.run_lagged) and AR (methods/ar.run_lagged).
+head on the drafter lane (methods/dpara.run_lagged), DSpark (methods/dspark.run_lagged) and AR
+(methods/ar.run_lagged).
 
 Round k's verify also accepts where the logits are: (r, bonus) from the arg-max (greedy) or the judge's draw
 (sampled), and the target's device lengths advance by keep = r + 1. DPara's head drafts round k+1 from those
-device values at once (AR verifies the bonus); the host copies round k's packed result into host memory in the
+device values at once, DSpark's drafter absorbs the keep rows into its context on the device and drafts serially
+after them (AR verifies the bonus); the host copies round k's packed result into host memory in the
 target lane's order and reads it while round k+1 is queued, then runs the round state (stops, metrics, streaming)
-and the drafter's context update on it. Nothing is guessed: the device's (r, bonus) are the round state's for
+and the drafter's context update (DSpark's: the context's host lengths follow) on it. Nothing is guessed: the device's (r, bonus) are the round state's for
 every running request, so the drafts and the output are the unlagged round's, bit for bit. A request the host
 finds finished is frozen on the device from the next verify on (``alive``); until then its rows run on, clamped
 inside the cache, and are never read.
@@ -48,6 +50,7 @@ class Pending:
     draft: Draft           # what was verified (round, slot)
     r: Tensor              # [B] long: accepted draft tokens (0 for frozen rows)
     bonus: Tensor          # [B] long: the next s_0
+    keep: Tensor           # [B] long: rows of `features` the drafter absorbs (r + 1; 0 for frozen rows)
     features: Tensor       # [B, T, F] staged for the drafter
     read: HostCopy         # the judge's verdicts, then the block, the arg-max and the finiteness flag
     judged: int            # how many verdicts lead the read-back (0: greedy)
@@ -56,9 +59,9 @@ class Pending:
 
     def for_lane(self, lane) -> tuple[Tensor, Tensor]:
         """(r, bonus) for a job of `lane`: ordered after `ready`, and on CUDA marked in use on the lane's stream (the
-        target lane's next allocations cannot take their memory before this lane has read them)."""
+        target lane's next allocations cannot take their memory before this lane has read them; keep too)."""
         lane.wait(self.ready)
-        for t in (self.r, self.bonus):
+        for t in (self.r, self.bonus, self.keep):
             if t.is_cuda:
                 t.record_stream(torch.cuda.current_stream(t.device))
         return self.r, self.bonus
@@ -98,6 +101,21 @@ class LaggedRounds:
         B = dec.state.batch()
         with torch.inference_mode(False):
             self.alive = torch.ones(B, dtype=torch.long, device=dec.target.device)
+        self.unread: Pending | None = None  # the round queued last, not read yet
+
+    def step(self, draft: Draft, on_read=None) -> Pending | None:
+        """Target lane: queue the verify of `draft`, then read the round queued before it (the one wait) and hand
+        what the host read to `on_read`, unless that finished the decode. Returns the round just queued, or None
+        when the decode finished (that round is never read)."""
+        pending = self.verify(draft)
+        unread, self.unread = self.unread, pending
+        if unread is not None:
+            out = self.settle(unread)
+            if out.finished:
+                return None
+            if on_read is not None:
+                on_read(out)
+        return pending
 
     def verify(self, draft: Draft) -> Pending:
         """Target lane: queue the verify of `draft` and its acceptance; the target's device lengths advance."""
@@ -117,9 +135,9 @@ class LaggedRounds:
             r, bonus = judged[:B], judged[B:2 * B]
         alive = self.alive
         bonus = torch.where(alive.bool(), bonus, block[:, 0])  # a frozen row keeps its s_0, as the round state does
-        r = r * alive
-        dec.target.commit_on_device((r + 1) * alive)
-        return Pending(draft, r, bonus, feats, HostCopy(read), n, (B, T), dec.target_lane.record())
+        r, keep = r * alive, (r + 1) * alive
+        dec.target.commit_on_device(keep)
+        return Pending(draft, r, bonus, keep, feats, HostCopy(read), n, (B, T), dec.target_lane.record())
 
     def settle(self, p: Pending) -> Outcome:
         """Target lane: read round p (the one wait) and run the round state on it; the rows it finished stop
