@@ -145,9 +145,8 @@ def main():
         print(f"target: {what}; {len(prompts)} prompts, {args.max_tokens} new tokens each, d={args.d}, "
               f"max_num_seqs={args.max_num_seqs}, vLLM dtype {args.dtype}, torch threads {torch.get_num_threads()}",
               flush=True)
-        dpara = {"speculative_config": {"model": "dpara_rt.engines.vllm.DParaProposer",
-                                        "num_speculative_tokens": args.d}}
-        options = {"dpara_drafter": drafter, "dpara_stats": stats, "dpara_max_requests": args.max_num_seqs}
+        dpara = {"speculative_config": {"method": "dpara", "model": drafter, "num_speculative_tokens": args.d}}
+        options = {"dpara_stats": stats, "dpara_max_requests": args.max_num_seqs}
         rows = [run_engine("vLLM AR", target, prompts, args, stats),
                 run_engine("vLLM ngram", target, prompts, args, stats,
                            speculative_config={"method": "ngram", "num_speculative_tokens": args.d,

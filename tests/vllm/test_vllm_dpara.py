@@ -1,4 +1,5 @@
-"""DPara inside vLLM (dpara_rt.engines.vllm.DParaProposer) on vLLM's CPU build, against vLLM without speculation.
+"""DPara inside vLLM (speculative_config {"method": "dpara"}: dpara_rt.engines.vllm.DParaProposer through the
+plugin of dpara_rt.engines.vllm_plugin) on vLLM's CPU build, against vLLM without speculation.
 
 A random Llama target (nearly a bigram model) and a drafter whose Markov head holds its bigram table
 (dpara_rt.engines.random_pair), so drafts are often accepted. The DPara engine runs in-process
@@ -98,9 +99,9 @@ def reference(pair, vocab):
 def dpara(pair):
     monkey = pytest.MonkeyPatch()
     monkey.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read while the engine is built
-    llm = make_llm(pair[0], speculative_config={"model": "dpara_rt.engines.vllm.DParaProposer",
-                                                "num_speculative_tokens": D},
-                   additional_config={"dpara_drafter": pair[1], "dpara_max_requests": MAX_NUM_SEQS})
+    # the method by name (dpara_rt's vLLM plugin, found through its entry point)
+    llm = make_llm(pair[0], speculative_config={"method": "dpara", "model": pair[1], "num_speculative_tokens": D},
+                   additional_config={"dpara_max_requests": MAX_NUM_SEQS})
     monkey.undo()
     yield llm
     close(llm)
@@ -201,3 +202,33 @@ def test_version_and_options_are_checked():
     cfg.additional_config = {"dpara_drafter": "x", "dpara_moed": "dpara"}
     with pytest.raises(ValueError, match=r"unknown additional_config keys \['dpara_moed'\]"):
         DParaProposer(cfg)
+
+
+def test_the_method_name_is_vllms_custom_proposer_through_the_entry_point():
+    from importlib.metadata import entry_points
+
+    from dpara_rt.engines import vllm_plugin
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "dpara"]
+    assert ep.value == "dpara_rt.engines.vllm_plugin:register"
+    assert getattr(EngineArgs.create_speculative_config, "dpara_method", False)  # vLLM ran the plugin
+    args = types.SimpleNamespace(speculative_config=None, additional_config={"dpara_cores": [1]}, spec_method="dpara",
+                                 spec_model="/drafter")
+    vllm_plugin.translate(args)
+    assert args.speculative_config == {"method": "custom_class", "model": vllm_plugin.PROPOSER}
+    assert args.additional_config == {"dpara_cores": [1], "dpara_drafter": "/drafter"}
+    assert args.spec_method is None and args.spec_model is None
+    other = {"method": "ngram", "num_speculative_tokens": 3}
+    args = types.SimpleNamespace(speculative_config=dict(other), additional_config={}, spec_method=None,
+                                 spec_model=None)
+    vllm_plugin.translate(args)
+    assert args.speculative_config == other and args.additional_config == {}
+    for spec, extra, words in (({"method": "dpara"}, {}, "names no drafter"),
+                               ({"method": "dpara", "model": "/a"}, {"dpara_drafter": "/b"}, "named twice")):
+        with pytest.raises(ValueError, match=words):
+            vllm_plugin.translate(types.SimpleNamespace(speculative_config=spec, additional_config=extra,
+                                                        spec_method=None, spec_model=None))
