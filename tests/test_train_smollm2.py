@@ -126,7 +126,7 @@ def test_preset_on_a_tiny_llama(tmp_path, monkeypatch):
     preset = ps.SmolLM2Preset(
         drafter=dict(num_layers=1, num_feature_layers=2, block_size=3, markov_rank=4),
         user_turns=dict(chat=6, math=2, code_chat=2), code_prompts=4, heldout=dict(chat=2, math=1, code_chat=1, code=2),
-        question_tokens=24, max_new_tokens=20, generate_batch=8, shard_size=4, sampled_every=2,
+        question_tokens=24, max_new_tokens=20, generate_batch=8, shard_size=4, sampled_every=2, data_passes=2,
         stage1=dict(batch_size=2, anchors_per_sequence=2, lr=1e-3, save_every=1),
         stage2=dict(batch_size=2, anchors_per_sequence=2, lr=1e-3, save_every=1), eval_sequences=2, host_math="float32")
     out, work = tmp_path / "out", tmp_path / "work"
@@ -137,8 +137,12 @@ def test_preset_on_a_tiny_llama(tmp_path, monkeypatch):
         with safe_open(str(shard), framework="pt") as f:
             assert "hidden" in f.keys() and all(VOCAB not in tuple(f.get_slice(k).get_shape())[2:] for k in f.keys())
     info = manifest["data"]
-    assert info["cache"] == "hidden" and info["shards"] >= 2 and info["sampled_shards"] >= 1
-    assert info["train_sequences"] == sum(info["kinds"].values()) > 0
+    assert info["cache"] == "hidden" and info["passes"] == 2 and info["shards"] % 2 == 0
+    # pass 0 samples every 2nd shard, pass 1 samples all: the second half of the sequences is all sampled
+    chunks = info["shards"] // 2
+    assert info["sampled_shards"] == chunks // 2 + chunks
+    assert info["train_sequences"] == sum(info["kinds"].values()) == 2 * (info["train_sequences"] // 2) > 0
+    assert info["sampled_sequences"] > info["train_sequences"] // 2
     for stage in ("stage1", "stage2"):
         assert manifest["drafter"][stage]["steps"] >= 1 and set(manifest["drafter"][stage]["heldout_tau"]) == \
             {"dspark", "dpara"}
@@ -156,6 +160,13 @@ def test_preset_on_a_tiny_llama(tmp_path, monkeypatch):
     _, _, reloaded = load_smollm2_pair(root=out, pair=(tok, model))
     for (name, a), b in zip(drafter.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
+    # a raised stage-1 budget trains stage 1 on from its checkpoint, then stage 2 again from the new weights
+    longer = ps.run_smollm2_preset(out, resume=True, **{**kw, "stage1_minutes": 0.1})
+    s1, s1_before = longer["drafter"]["stage1"], manifest["drafter"]["stage1"]
+    assert s1["steps"] > s1_before["steps"] and s1["epoch_taus"][:len(s1_before["epoch_taus"])] == \
+        s1_before["epoch_taus"]
+    assert 0 < longer["drafter"]["stage2"]["steps"] and "trained_now" not in s1
+    _, _, drafter = load_smollm2_pair(root=out, pair=(tok, model))
     # a damaged shipped file is named
     (out / "drafter" / "drafter.safetensors").write_bytes(b"x")
     with pytest.raises(AssetError, match="drafter.safetensors"):

@@ -6,10 +6,12 @@ target writes for itself and code headers cut from the standard library, shipped
                                             [--stage2-minutes M] [--work-dir W] [--resume]
 
 Steps, each resumable from the work directory (outside the package, never committed): user turns and code
-prompts -> continuations by the target (greedy, every ``sampled_every``-th shard at temperature 1) cached in
-shards as features + the final-normed hidden state (no [S, N, V] logits: the loss recomputes them with the
-tied output head) -> stage 1 (DSpark) -> stage 2 (M-DFlash). With ``--resume`` an interrupted step goes on
-with its remaining minutes (a training stage from its last checkpoint); finished steps are reloaded.
+prompts -> continuations by the target (greedy, every ``sampled_every``-th shard at temperature 1; further
+passes over the prompts at temperature 1) cached in shards as features + the final-normed hidden state (no
+[S, N, V] logits: the loss recomputes them with the tied output head) -> stage 1 (DSpark) -> stage 2 (M-DFlash).
+With ``--resume`` an interrupted step goes on with its remaining minutes (a training stage from its last
+checkpoint); finished steps are reloaded. Raising a budget on resume extends that step: more shards, or a
+finished stage trained on from its checkpoint over all shards (stage 2 then starts again from the new stage 1).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class SmolLM2Preset:
     question_top_p: float = 0.95
     max_new_tokens: int = 128         # continuation length (EOS stops a chat answer earlier)
     sampled_every: int = 4            # every 4th train shard is continued at temperature 1, the rest greedily
+    data_passes: int = 4              # passes over the train prompts; passes after the first sample at temperature 1
     generate_batch: int = 32
     shard_size: int = 32
     stage1: dict = field(default_factory=lambda: dict(batch_size=8, anchors_per_sequence=8, lr=1e-3,
@@ -158,31 +161,41 @@ def build_data(target_model, tokenizer, preset: SmolLM2Preset, layer_ids, work: 
         _shard_data(target_model, tokenizer, heldout_p, preset, layer_ids, 0.0, preset.seed).save(ho_file)
         save_progress()
     shards = prog.get("shards", 0) if resume else 0
-    n_shards = -(-len(train_p) // preset.shard_size)
-    while shards < n_shards and elapsed() < 60.0 * minutes:
-        chunk = train_p[shards * preset.shard_size:(shards + 1) * preset.shard_size]
-        temp = 1.0 if preset.sampled_every and shards % preset.sampled_every == preset.sampled_every - 1 else 0.0
+    n_chunks = -(-len(train_p) // preset.shard_size)
+
+    def chunk_of(shard: int) -> tuple[list[sd.Prompt], float]:
+        """Shard ``shard``'s prompts and temperature: pass 0 follows ``sampled_every``; later passes sample the
+        same prompts again (new seeds give new continuations)."""
+        c, passes = shard % n_chunks, shard // n_chunks
+        sampled = passes > 0 or (preset.sampled_every and c % preset.sampled_every == preset.sampled_every - 1)
+        return train_p[c * preset.shard_size:(c + 1) * preset.shard_size], 1.0 if sampled else 0.0
+
+    while shards < n_chunks * preset.data_passes and elapsed() < 60.0 * minutes:
+        chunk, temp = chunk_of(shards)
         _shard_data(target_model, tokenizer, chunk, preset, layer_ids, temp, preset.seed + shards).save(
             data_dir / f"train_{shards:04d}.safetensors")
         shards += 1
         save_progress(shards=shards)
-        _log(f"data: shard {shards}/{n_shards} (temperature {temp}), {elapsed() / 60:.1f} of {minutes} min")
+        _log(f"data: shard {shards}/{n_chunks} x {preset.data_passes} passes (temperature {temp}), "
+             f"{elapsed() / 60:.1f} of {minutes} min")
     if shards == 0:
         raise RuntimeError(f"no training shard was generated within {minutes} data minutes; give the data step "
                            "more time")
     train = TrainData.cat([TrainData.load(data_dir / f"train_{i:04d}.safetensors") for i in range(shards)])
     heldout = TrainData.load(ho_file)
-    used = heldout_p + train_p[:shards * preset.shard_size]
+    used = heldout_p + train_p[:min(shards, n_chunks) * preset.shard_size]
     clashes = sum(1 for p in used if p.text in exclude or p.text.strip() in exclude)
     if clashes:
         _log(f"warning: {clashes} prompts used for training equal evaluation prompts in {EVALSET_DIR}")
+    sequences = [(p, temp) for i in range(shards) for chunk, temp in [chunk_of(i)] for p in chunk]
     gen_tokens = int((train.lengths - train.prompt_lens).sum())
     summary = {"train_sequences": len(train), "heldout_sequences": len(heldout), "shards": shards,
-               "sampled_shards": sum(1 for i in range(shards) if preset.sampled_every
-                                     and i % preset.sampled_every == preset.sampled_every - 1),
+               "passes": round(shards / n_chunks, 2),
+               "sampled_shards": sum(1 for i in range(shards) if chunk_of(i)[1] > 0),
+               "sampled_sequences": sum(1 for _, temp in sequences if temp > 0),
                "train_tokens": int(train.lengths.sum()), "train_generated_tokens": gen_tokens,
                "heldout_tokens": int(heldout.lengths.sum()),
-               "kinds": {k: sum(1 for p in used if p.kind == k and p.split == "train") for k in sd.KINDS},
+               "kinds": {k: sum(1 for p, _ in sequences if p.kind == k) for k in sd.KINDS},
                "heldout_kinds": {k: sum(1 for p in heldout_p if p.kind == k) for k in sd.KINDS},
                "cache": train.cache, "store_dtype": str(train.features.dtype).replace("torch.", ""),
                "bytes": sum(t.numel() * t.element_size() for t in (train.tokens, train.features, train.hidden)),
@@ -200,15 +213,18 @@ def heldout_taus(drafter: Drafter, heldout: TrainData, d: int) -> dict:
 def run_stage(fn, drafter: Drafter, data: TrainData, heldout: TrainData, knobs: dict, d: int, minutes: float,
               ckpt: Path, seed: int, resume: bool, eval_sequences: int) -> dict:
     """One training stage for ``minutes`` in all: a resumed run continues from the last checkpoint with what is
-    left of them; a stage that finished in an earlier run is reloaded, not re-run."""
+    left of them; a stage that finished in an earlier run is reloaded, not re-run, unless ``minutes`` now exceed
+    what it spent (it then trains on). The summary's "trained_now" says whether this call trained."""
     from dpara_rt.models.drafter_io import load_drafter_weights
 
     ckpt.mkdir(parents=True, exist_ok=True)
     done, prog_file = ckpt / "stage_result.json", ckpt / "progress.json"
-    if resume and done.is_file():
-        load_drafter_weights(drafter, ckpt)
-        return json.loads(done.read_text())
     spent = _progress(prog_file).get("wall_s", 0.0) if resume else 0.0
+    if resume and done.is_file():
+        if 60.0 * minutes <= spent + 1.0:
+            load_drafter_weights(drafter, ckpt)
+            return {**json.loads(done.read_text()), "trained_now": False}
+        done.unlink()
     left = max(60.0 * minutes - spent, 1.0)
     cfg = TrainConfig(d=d, epochs=10_000, time_limit_s=left, checkpoint_dir=str(ckpt), seed=seed,
                       eval_max_sequences=eval_sequences, resume=resume, **knobs)
@@ -222,7 +238,7 @@ def run_stage(fn, drafter: Drafter, data: TrainData, heldout: TrainData, knobs: 
                "sequences_per_step": cfg.batch_size, "anchors_per_sequence": cfg.anchors_per_sequence,
                "epoch_taus": [round(t, 4) for t in result.taus], "wall_s": wall}
     done.write_text(json.dumps(summary))
-    return summary
+    return {**summary, "trained_now": True}
 
 
 def _replace(src: Path, dst: Path) -> None:
@@ -269,8 +285,11 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
                    preset.seed, resume, preset.eval_sequences)
     s1["heldout_tau"] = heldout_taus(drafter, heldout, d)
     _log(f"stage 1 (DSpark): {s1['steps']} steps, held-out tau {s1['heldout_tau']}")
+    if s1.pop("trained_now"):
+        shutil.rmtree(work / "stage2", ignore_errors=True)  # built on the stage-1 weights this run replaced
     s2 = run_stage(train_stage2, drafter, train, heldout, preset.stage2, d, stage2_minutes, work / "stage2",
                    preset.seed, resume, preset.eval_sequences)
+    s2.pop("trained_now")
 
     ship = work / "ship"
     shutil.rmtree(ship, ignore_errors=True)
