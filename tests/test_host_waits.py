@@ -16,8 +16,8 @@ from dpara_rt.round.sync_guard import HostWaits, Launches
 from engine_pairs import predictable_pair
 
 # A steady-state round of every method, greedy and sampled, waits for the device once: the verify's one read-back
-# (the verified block, the arg-max, the finiteness flag and, sampled, the verdicts (r, bonus)); DPara's and AR's
-# read the round before, once this one is queued (tests/test_lagged.py). Before the waits went
+# (the verified block, the arg-max, the finiteness flag and, sampled, the verdicts (r, bonus)); with a static
+# verify every method reads the round before, once this one is queued (tests/test_lagged.py). Before the waits went
 # (d = 4, 2 requests, greedy/sampled): ar 14/15, dspark 41/55, dpara 48/62; then ar 12/13, dspark 25/30, dpara
 # 26/31; then ar 7/8, dspark 12/16, dpara 15/19; then ar 6/7, dspark 10/14, dpara 13/17.
 ONE_READ = {("verify", "tolist"): 1.0}

@@ -172,7 +172,7 @@ class DeviceBackend(DraftingBackend):
         dec.head_lane.wait(out.ready)
         if on_device:  # at the device's lengths (static shapes); the host's follow at once, keep being known
             self.context.absorb(out.features, ops.upload(out.keep, self.drafter.device), on_device=True)
-            self.context.follow(out.keep.numpy())
+            self.follow_context(out)
         else:
             self.context.absorb(out.features, out.keep)
         if out.round > 0:

@@ -120,11 +120,6 @@ class ContextCache(KVCache):
 
     dev_lengths: Tensor | None = None
 
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        """Layer i's K/V trimmed to the longest row (what attention needs)."""
-        n = self.longest()
-        return self.k[i, :, :, :n], self.v[i, :, :, :n]
-
     def layers(self, n: int | None = None) -> list[tuple[Tensor, Tensor]]:
         """Every layer's K/V trimmed to the first n slots (default the longest row, the lengths read once)."""
         n = self.longest() if n is None else n

@@ -326,7 +326,8 @@ class Decoder:
         greedy = verified.argmax is not None
         r, bonus, _, keep, tokens = self.state.accept(
             verified.block.numpy(), verified.argmax.numpy() if greedy else None,
-            None if greedy else verified.r.numpy(), None if greedy else verified.bonus.numpy(), verified.slot, self.metrics)
+            None if greedy else verified.r.numpy(), None if greedy else verified.bonus.numpy(), verified.slot,
+            self.metrics)
         r_t, keep_t = torch.from_numpy(r), torch.from_numpy(keep)
         if queued is not None:
             self.target.commit_host(keep)

@@ -5,12 +5,12 @@ head on the drafter lane (methods/dpara.run_lagged), DSpark (methods/dspark.run_
 Round k's verify also accepts where the logits are: (r, bonus) from the arg-max (greedy) or the judge's draw
 (sampled), and the target's device lengths advance by keep = r + 1. DPara's head drafts round k+1 from those
 device values at once, DSpark's drafter absorbs the keep rows into its context on the device and drafts serially
-after them (AR verifies the bonus); the host copies round k's packed result into host memory in the
-target lane's order and reads it while round k+1 is queued, then runs the round state (stops, metrics, streaming)
-and the drafter's context update (DSpark's: the context's host lengths follow) on it. Nothing is guessed: the device's (r, bonus) are the round state's for
-every running request, so the drafts and the output are the unlagged round's, bit for bit. A request the host
-finds finished is frozen on the device from the next verify on (``alive``); until then its rows run on, clamped
-inside the cache, and are never read.
+after them (AR verifies the bonus); the host copies round k's packed result into host memory in the target lane's
+order and reads it while round k+1 is queued, then runs the round state (stops, metrics, streaming) and the
+drafter's context update (DSpark's: the context's host lengths follow) on it. Nothing is guessed: the device's
+(r, bonus) are the round state's for every running request, so the drafts and the output are the unlagged
+round's, bit for bit. A request the host finds finished is frozen on the device from the next verify on
+(``alive``); until then its rows run on, clamped inside the cache, and are never read.
 """
 from __future__ import annotations
 

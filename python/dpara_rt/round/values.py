@@ -4,8 +4,9 @@ A round's data are values, not decoder state: a ``Draft`` goes from the drafter 
 ``Outcome`` from the target lane back to the drafter lane. Between lanes they travel through the core: the
 tokens and the verified block's features through a phase of the double-buffered staging (round k uses phase
 k % 2), boundary logits through a ring slot, each hand-off guarded by the producer's lane event, and each phase
-or slot handed back with the consumer's event; ``(r, bonus)`` are the round state's own host arrays. On host lanes the same code is
-correct because a job that records or waits on its own lane does so at its current point, as a stream does.
+or slot handed back with the consumer's event; ``(r, bonus)`` are the round state's own host arrays. On host
+lanes the same code is correct because a job that records or waits on its own lane does so at its current point,
+as a stream does.
 """
 from __future__ import annotations
 

@@ -211,10 +211,10 @@ def heldout_taus(drafter: Drafter, heldout: TrainData, d: int) -> dict:
 
 
 def run_stage(fn, drafter: Drafter, data: TrainData, heldout: TrainData, knobs: dict, d: int, minutes: float,
-              ckpt: Path, seed: int, resume: bool, eval_sequences: int) -> dict:
+              ckpt: Path, seed: int, resume: bool, eval_sequences: int) -> tuple[dict, bool]:
     """One training stage for ``minutes`` in all: a resumed run continues from the last checkpoint with what is
     left of them; a stage that finished in an earlier run is reloaded, not re-run, unless ``minutes`` now exceed
-    what it spent (it then trains on). The summary's "trained_now" says whether this call trained."""
+    what it spent (it then trains on). Returns (its summary, whether this call trained)."""
     from dpara_rt.models.drafter_io import load_drafter_weights
 
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,7 @@ def run_stage(fn, drafter: Drafter, data: TrainData, heldout: TrainData, knobs: 
     if resume and done.is_file():
         if 60.0 * minutes <= spent + 1.0:
             load_drafter_weights(drafter, ckpt)
-            return {**json.loads(done.read_text()), "trained_now": False}
+            return json.loads(done.read_text()), False
         done.unlink()
     left = max(60.0 * minutes - spent, 1.0)
     cfg = TrainConfig(d=d, epochs=10_000, time_limit_s=left, checkpoint_dir=str(ckpt), seed=seed,
@@ -238,7 +238,7 @@ def run_stage(fn, drafter: Drafter, data: TrainData, heldout: TrainData, knobs: 
                "sequences_per_step": cfg.batch_size, "anchors_per_sequence": cfg.anchors_per_sequence,
                "epoch_taus": [round(t, 4) for t in result.taus], "wall_s": wall}
     done.write_text(json.dumps(summary))
-    return {**summary, "trained_now": True}
+    return summary, True
 
 
 def _replace(src: Path, dst: Path) -> None:
@@ -281,15 +281,14 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
     torch.manual_seed(preset.seed)
     drafter = Drafter(dcfg, target.embed_tokens, target.lm_head)
     _log(f"drafter: {_count(drafter)} parameters")
-    s1 = run_stage(train_stage1, drafter, train, heldout, preset.stage1, d, stage1_minutes, work / "stage1",
-                   preset.seed, resume, preset.eval_sequences)
+    s1, s1_trained = run_stage(train_stage1, drafter, train, heldout, preset.stage1, d, stage1_minutes,
+                               work / "stage1", preset.seed, resume, preset.eval_sequences)
     s1["heldout_tau"] = heldout_taus(drafter, heldout, d)
     _log(f"stage 1 (DSpark): {s1['steps']} steps, held-out tau {s1['heldout_tau']}")
-    if s1.pop("trained_now"):
+    if s1_trained:
         shutil.rmtree(work / "stage2", ignore_errors=True)  # built on the stage-1 weights this run replaced
-    s2 = run_stage(train_stage2, drafter, train, heldout, preset.stage2, d, stage2_minutes, work / "stage2",
-                   preset.seed, resume, preset.eval_sequences)
-    s2.pop("trained_now")
+    s2, _ = run_stage(train_stage2, drafter, train, heldout, preset.stage2, d, stage2_minutes, work / "stage2",
+                      preset.seed, resume, preset.eval_sequences)
 
     ship = work / "ship"
     shutil.rmtree(ship, ignore_errors=True)
