@@ -1,5 +1,5 @@
-"""vLLM (CPU build) without speculation, with its ngram proposer, and with DPara (dpara_rt.engines.vllm), on one
-target and one prompt set, in one run; prints tok/s, tau and the ratios to vLLM AR.
+"""vLLM (CPU build) without speculation, with its ngram and dflash proposers, and with DPara (dpara_rt.engines.vllm),
+on one target and one prompt set, in one run; prints tok/s, tau and the ratios to vLLM AR.
 
     ../vllm-env/bin/python bench/bench_vllm.py [--prompts 4] [--max-tokens 64] [--d 7] [--dtype bfloat16]
                                                [--native] [--split]
@@ -7,10 +7,13 @@ target and one prompt set, in one run; prints tok/s, tau and the ratios to vLLM 
 Target: SmolLM2-135M-Instruct (GGUF, converted) with the trained drafter at
 python/dpara_rt/assets/smollm2/drafter/ when that exists (or --drafter DIR), else the random pair of
 dpara_rt.engines.random_pair (a nearly-bigram random Llama and its bigram drafter; prompts are random token ids).
+vLLM's dflash method runs a DFlash-convention drafter exported with dpara_rt.models.convert.export_dflash: for
+SmolLM2 the baseline trained on the same data (python/dpara_rt/assets/smollm2/dflash/, or --dflash-drafter DIR;
+absent: no dflash row), for the random pair a random one (lossless, rarely accepted).
 Greedy, ignore_eos, enforce_eager, prefix caching off; every engine gets one warm-up generate before the timed one.
 tok/s counts generated tokens over the timed generate's wall time. Each engine is checked to reproduce its own AR's
 output (and vLLM AR's: dpara_rt's bf16 host math and vLLM's kernels round apart, so there they may part).
-`--native` adds dpara_rt's own engine on the same prompts. The engines run one after another in this process (vLLM's engine core and worker in their own processes).
+`--native` adds dpara_rt's own engine on the same prompts (AR, DPara, and its dflash method on the DFlash drafter). The engines run one after another in this process (vLLM's engine core and worker in their own processes).
 """
 from __future__ import annotations
 
@@ -25,15 +28,23 @@ from pathlib import Path
 import torch
 
 SMOLLM2_DRAFTER = Path(__file__).resolve().parent.parent / "python/dpara_rt/assets/smollm2/drafter"
+SMOLLM2_DFLASH = SMOLLM2_DRAFTER.parent / "dflash" / "drafter"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
              "List three uses of a paperclip.", "How do I reverse a list in Python?", "What causes rain?",
              "Name the planets of the solar system.", "Give a recipe for pancakes."]
 
 
 def pick_pair(args, tmp: str):
-    """(target_dir, drafter_dir, prompts as token-id lists, description)."""
+    """(target_dir, drafter_dir, the DFlash checkpoint or None, prompts as token-id lists, description)."""
+    from dpara_rt.models.convert import export_dflash
+
     drafter = Path(args.drafter) if args.drafter else SMOLLM2_DRAFTER
     if not args.random and (drafter / "drafter_config.json").is_file():
+        dflash = Path(args.dflash_drafter) if args.dflash_drafter else SMOLLM2_DFLASH
+        exported = None
+        if (dflash / "drafter_config.json").is_file():
+            exported = os.path.join(tmp, "dflash")
+            export_dflash(dflash, exported, num_target_layers=30)
         from transformers import AutoTokenizer
 
         from dpara_rt.models import smollm2_path
@@ -42,16 +53,17 @@ def pick_pair(args, tmp: str):
         tok = AutoTokenizer.from_pretrained(target)
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                    for q in QUESTIONS[:args.prompts]]
-        return target, str(drafter), [list(p) if not hasattr(p, "input_ids") else p.input_ids for p in prompts], \
-            f"SmolLM2-135M-Instruct + {drafter}"
-    from dpara_rt.engines.random_pair import write_random_pair
+        return target, str(drafter), exported, [list(p) if not hasattr(p, "input_ids") else p.input_ids
+                                                for p in prompts], f"SmolLM2-135M-Instruct + {drafter}"
+    from dpara_rt.engines.random_pair import write_random_dflash, write_random_pair
 
-    target, drafter_dir = write_random_pair(tmp, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                                            num_hidden_layers=args.layers)
+    shape = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers)
+    target, drafter_dir = write_random_pair(tmp, **shape)
+    dflash = write_random_dflash(tmp, **shape)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist()
                for n in torch.randint(8, 40, (args.prompts,), generator=g)]
-    return target, drafter_dir, prompts, (f"random Llama (hidden {args.hidden}, {args.layers} layers, vocab 256) "
+    return target, drafter_dir, dflash, prompts, (f"random Llama (hidden {args.hidden}, {args.layers} layers, vocab 256) "
                                           "+ its bigram drafter")
 
 
@@ -92,13 +104,14 @@ def run_engine(name: str, target: str, prompts, args, stats_path: str, bind: str
     return row
 
 
-def run_native(name: str, method: str, prompts, args) -> dict:
+def run_native(name: str, method: str, prompts, args, drafter_dir: str | None = None) -> dict:
     """dpara_rt's own engine on the same prompts (SmolLM2 as the demo loads it: the native Llama path, float32 weights,
-    the host's bf16 math where it has it), max_num_seqs prompts per generate, EOS ignored as vLLM's runs do."""
+    the host's bf16 math where it has it), max_num_seqs prompts per generate, EOS ignored as vLLM's runs do;
+    ``drafter_dir``: a drafter other than the shipped one."""
     from dpara_rt.engine import Engine
     from dpara_rt.tools.compare import load_smollm2
 
-    _, target, drafter = load_smollm2()
+    _, target, drafter = load_smollm2(None if drafter_dir is None else str(drafter_dir))
     B = args.max_num_seqs
     eng = Engine(target, drafter if method != "ar" else None, method=method, d=args.d, max_batch=B, eos_ids=[])
     try:
@@ -130,6 +143,7 @@ def main():
     ap.add_argument("--d", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--drafter", help="a drafter directory for SmolLM2 (default: the trained one, if present)")
+    ap.add_argument("--dflash-drafter", help="a DFlash-convention drafter for SmolLM2 (default: the shipped baseline)")
     ap.add_argument("--random", action="store_true", help="use the random pair even if the SmolLM2 drafter exists")
     ap.add_argument("--hidden", type=int, default=512, help="random target's hidden size")
     ap.add_argument("--layers", type=int, default=8, help="random target's layers")
@@ -140,7 +154,7 @@ def main():
                     "(VLLM_CPU_OMP_THREADS_BIND=0) and the drafter's lane pinned to core 1")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        target, drafter, prompts, what = pick_pair(args, tmp)
+        target, drafter, dflash, prompts, what = pick_pair(args, tmp)
         stats = os.path.join(tmp, "dpara_stats.json")
         print(f"target: {what}; {len(prompts)} prompts, {args.max_tokens} new tokens each, d={args.d}, "
               f"max_num_seqs={args.max_num_seqs}, vLLM dtype {args.dtype}, torch threads {torch.get_num_threads()}",
@@ -152,6 +166,9 @@ def main():
                            speculative_config={"method": "ngram", "num_speculative_tokens": args.d,
                                                "prompt_lookup_max": 3, "prompt_lookup_min": 2}),
                 run_engine("vLLM + DPara", target, prompts, args, stats, **dpara, additional_config=options)]
+        if dflash is not None:
+            rows.insert(2, run_engine("vLLM DFlash", target, prompts, args, stats, speculative_config={
+                "method": "dflash", "model": dflash, "num_speculative_tokens": args.d}))
         if args.split:  # the target's OpenMP threads on core 0, the drafter's lane on core 1
             rows.append(run_engine("AR core 0", target, prompts, args, stats, bind="0"))
             rows.append(run_engine("DPara split", target, prompts, args, stats, bind="0", **dpara,
@@ -160,6 +177,9 @@ def main():
         if args.random or not (Path(drafter) / "drafter_config.json").is_file():
             raise SystemExit("--native runs SmolLM2 with its drafter; drop --random")
         rows += [run_native("dpara_rt AR", "ar", prompts, args), run_native("dpara_rt DPara", "dpara", prompts, args)]
+        dflash_drafter = Path(args.dflash_drafter) if args.dflash_drafter else SMOLLM2_DFLASH
+        if (dflash_drafter / "drafter_config.json").is_file():
+            rows.append(run_native("dpara_rt DFlash", "dflash", prompts, args, dflash_drafter))
     ar = rows[0]
     own_ar = {r["engine"].split()[0]: r for r in rows if r["engine"].endswith(" AR")}  # each engine's own AR
     print(f"\n{'engine':<14} {'tok/s':>8} {'x AR':>6} {'tau':>6} {'wall s':>7}  same output as its AR, as vLLM AR")

@@ -348,3 +348,18 @@ def test_convert_a_dflash_drafter_then_check_and_generate_with_it(text_pair, tmp
                                 "--method", "dflash", "--d", 3, "--max-new-tokens", 16)
         assert rc == 0, err
         assert out == want
+    # and back: `export dflash` writes a DFlash checkpoint that decodes the same
+    rc, out, err = run_main(capsys, "export", "dflash", tmp_path / "out", tmp_path / "back", "--target-layers", 4)
+    assert rc == 0, err
+    assert "block_size 4" in out and "'mask_token_id': 511" in out
+    rc, out, err = run_main(capsys, "generate", "def f(x):", "--target", target, "--drafter", tmp_path / "back",
+                            "--method", "dflash", "--d", 3, "--max-new-tokens", 16)
+    assert rc == 0, err
+    assert out == want
+
+
+def test_export_refuses_a_drafter_dflash_cannot_hold(text_pair, tmp_path, capsys):
+    rc, _, err = run_main(capsys, "export", "dflash", text_pair[1], tmp_path / "x", "--target-layers", 4)
+    one_line_error(rc, err, "draft_rows='anchor'")
+    rc, _, err = run_main(capsys, "export", "dflash", tmp_path / "none", tmp_path / "x", "--target-layers", 4)
+    one_line_error(rc, err, "none")

@@ -256,3 +256,45 @@ def test_unknown_tensors_and_directories_are_refused(dflash_ref, dflash_dir, tin
     (tmp_path / "y" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="neither a DSpark nor a DFlash"):
         read_drafter_config(tmp_path / "y")
+
+
+# ---------------------------------------------------------------- export to DFlash (engines' baseline)
+def test_export_dflash_round_trips_to_dflash_reference(dflash_ref, dflash_dir, tiny_target, tiny_hf_target,
+                                                       tmp_path):
+    """A DFlash-convention drafter written back as a DFlashDraftModel checkpoint: the same tensors under DFlash's
+    names, a config DFlash's own code loads, and its forward equals our block logits."""
+    from safetensors.torch import load_file
+    from dpara_rt.models.convert import export_dflash
+
+    convert("dflash", dflash_dir, tmp_path / "ours")
+    cfg = export_dflash(tmp_path / "ours", tmp_path / "back", num_target_layers=4)
+    assert (cfg["block_size"], cfg["dflash_config"]) == (BLOCK, {"mask_token_id": MASK_TOKEN, "target_layer_ids": LAYERS})
+    assert checkpoint_format(tmp_path / "back") == "dflash"
+    want = dflash_ref.state_dict()
+    got = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(got) == sorted(k for k in want if not k.endswith("inv_freq"))
+    for k, t in got.items():
+        assert torch.equal(t, want[k]), k
+    reloaded = dflash_model.DFlashDraftModel.from_pretrained(tmp_path / "back").eval()
+    feats = torch.randn(1, 7, 2 * 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = _reference_block(reloaded, tiny_hf_target, feats, torch.tensor([[9] + [MASK_TOKEN] * 3]))
+        theirs = tiny_hf_target.lm_head(hidden[:, 1:])
+    ours = _ours_block(load_drafter(tmp_path / "back", tiny_target), feats, 9, BLOCK - 1)
+    assert (ours - theirs).abs().max() <= 1e-4
+
+
+def test_export_dflash_refuses_what_dflash_cannot_hold(dflash_dir, tiny_target, tmp_path):
+    from dpara_rt.models.convert import export_dflash
+    from dpara_rt.models.drafter import Drafter, DrafterConfig
+    from dpara_rt.models.drafter_io import save_drafter
+
+    anchor = Drafter(DrafterConfig.for_target(tiny_target.config, block_size=3, markov_rank=4, layer_ids=LAYERS),
+                     tiny_target.embed_tokens, tiny_target.lm_head)
+    save_drafter(anchor, tmp_path / "anchor")
+    with pytest.raises(UnsupportedCheckpoint, match="draft_rows='anchor'"):
+        export_dflash(tmp_path / "anchor", tmp_path / "x", 4)
+    convert("dflash", dflash_dir, tmp_path / "ours")
+    with pytest.raises(ValueError, match="num_target_layers=2: expected more than the drafter's largest feature "
+                                         "layer 2"):
+        export_dflash(tmp_path / "ours", tmp_path / "x", 2)

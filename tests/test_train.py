@@ -7,7 +7,9 @@ from dpara_rt.models.drafter import Drafter, DrafterConfig
 from dpara_rt.models.target import Target
 from dpara_rt.train import (TrainConfig, TrainData, build_train_data, estimate_tau, prompts_from_stream, train_stage1,
                             train_stage2)
-from dpara_rt.train.objectives import dspark_layout, layout_loss, mdflash_layout, sample_anchors
+from dpara_rt.models.drafter_io import copy_backbone, save_drafter
+from dpara_rt.train.objectives import (dflash_layout, distill_loss, dspark_layout, layout_loss, mdflash_layout,
+                                       sample_anchors)
 
 torch.set_num_threads(1)
 D = 3
@@ -204,3 +206,56 @@ def test_training_refuses_bad_inputs(data, tiny_target, tiny_layer_ids):
         train_stage2(dr, short, TrainConfig(progress=False))
     with pytest.raises(ValueError, match="batch_size=0"):
         TrainConfig(batch_size=0)
+
+
+def _dflash_drafter(target, layer_ids, seed=0):
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=D, markov_rank=0, layer_ids=layer_ids,
+                                   draft_rows="mask", mask_token_id=511)
+    torch.manual_seed(seed)
+    return Drafter(cfg, target.embed_tokens, target.lm_head)
+
+
+def test_dflash_layout_loss_scores_what_the_mask_rows_draft(data, tiny_target, tiny_layer_ids):
+    """A DFlash drafter's training loss on one anchor equals the loss of its inference-time block logits
+    ([anchor, MASK x d], the mask rows drafting tokens anchor+1..anchor+d) against the target's distributions."""
+    dr = _dflash_drafter(tiny_target, tiny_layer_ids)
+    with torch.no_grad():
+        for p in dr.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    layout = dflash_layout(D)
+    assert (layout.rows, layout.lead, layout.reach) == (D + 1, 1, D - 1)
+    a = int(data.prompt_lens[0]) + 2
+    with torch.no_grad():
+        got = layout_loss(dr, data, torch.tensor([0]), torch.tensor([[a]]), layout, 0.1, 0.9)
+        cache = dr.new_context_cache(1, 64)
+        dr.extend_context(cache, data.features[0:1, :a].float(), torch.tensor([a]))
+        z = dr.block_logits(cache, data.tokens[0, a:a + 1], D)
+        want = distill_loss(z, data.target_logits(0, torch.arange(a, a + D)), 0.1, 0.9)
+        shifted = distill_loss(z, data.target_logits(0, torch.arange(a + 1, a + D + 1)), 0.1, 0.9)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert abs(float(shifted) - float(want)) > 1e-3  # the check sees a one-position shift
+
+
+def test_dflash_stage1_trains_the_backbone_and_refuses_stage2(data, tiny_target, tiny_layer_ids):
+    dr = _dflash_drafter(tiny_target, tiny_layer_ids)
+    layout = dflash_layout(D)
+    before = _fixed_loss(dr, data, layout)
+    train_stage1(dr, data, TrainConfig(epochs=4, batch_size=6, lr=3e-3, progress=False))
+    assert _fixed_loss(dr, data, layout) < before - 0.02
+    assert estimate_tau(dr, data, D, "dspark") >= 1.0
+    with pytest.raises(ValueError, match="draft_rows='mask'"):
+        train_stage2(dr, data, TrainConfig(progress=False))
+
+
+def test_copy_backbone_starts_another_convention(tiny_target, tiny_layer_ids, tmp_path):
+    src = _drafter(tiny_target, tiny_layer_ids, seed=1)
+    save_drafter(src, tmp_path / "src")
+    dst = _dflash_drafter(tiny_target, tiny_layer_ids, seed=2)
+    names = copy_backbone(dst, tmp_path / "src")
+    assert "fc.weight" in names and "w1" not in names and "w2" not in names
+    for n in names:
+        assert torch.equal(dst.state_dict()[n], src.state_dict()[n]), n
+    other = Drafter(DrafterConfig.for_target(tiny_target.config, num_layers=2, block_size=D, markov_rank=0,
+                                             layer_ids=tiny_layer_ids), tiny_target.embed_tokens, tiny_target.lm_head)
+    with pytest.raises(ValueError, match=r"does not fit this drafter's backbone: layers\.1\..* missing"):
+        copy_backbone(other, tmp_path / "src")

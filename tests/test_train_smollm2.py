@@ -2,6 +2,7 @@
 tiny random Llama with a character tokenizer, and the shipped drafter's prompts against the evaluation sets."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -167,6 +168,24 @@ def test_preset_on_a_tiny_llama(tmp_path, monkeypatch):
         s1_before["epoch_taus"]
     assert 0 < longer["drafter"]["stage2"]["steps"] and "trained_now" not in s1
     _, _, drafter = load_smollm2_pair(root=out, pair=(tok, model))
+    # the DFlash baseline: the same data (linked), stage 1 only, its backbone started from the DSpark drafter's
+    dwork = tmp_path / "dwork"
+    dwork.mkdir()
+    for name in ("data", "prompts.jsonl"):
+        (dwork / name).symlink_to(work / name)
+    dpreset = dataclasses.replace(preset, drafter={**preset.drafter, **dict(markov_rank=0, draft_rows="mask",
+                                                                             mask_token_id=2)})
+    dflash = ps.run_smollm2_preset(tmp_path / "dflash", resume=True, init_from=out / "drafter",
+                                   **{**kw, "work_dir": dwork, "preset": dpreset})
+    d = dflash["drafter"]
+    assert d["stage1"]["steps"] >= 1 and set(d["stage1"]["heldout_tau"]) == {"dspark", "dpara"} and "steps" not in \
+        d["stage2"]
+    assert dflash["data"]["train_sequences"] == longer["data"]["train_sequences"]  # no new shard
+    assert (d["config"]["draft_rows"], d["config"]["markov_rank"], dflash["init_from"]) == ("mask", 0,
+                                                                                            str(out / "drafter"))
+    assert dflash["regenerate_with"] == ps.DFLASH_COMMAND
+    _, _, baseline = load_smollm2_pair(root=tmp_path / "dflash", pair=(tok, model))
+    assert baseline.config.lead == 1
     # a damaged shipped file is named
     (out / "drafter" / "drafter.safetensors").write_bytes(b"x")
     with pytest.raises(AssetError, match="drafter.safetensors"):

@@ -119,6 +119,22 @@ def test_ngram_baseline_equals_vllm_without_speculation(pair, reference, vocab):
         close(llm)
 
 
+def test_dflash_baseline_from_an_exported_drafter(pair, reference, vocab, tmp_path_factory):
+    """vLLM's own dflash method on a dpara_rt drafter exported as a DFlash checkpoint (export_dflash): it loads,
+    drafts every step, and stays lossless (a random drafter: its drafts are rarely accepted)."""
+    from dpara_rt.engines.random_pair import write_random_dflash
+
+    dflash = write_random_dflash(tmp_path_factory.mktemp("vllm_dflash"))
+    llm = make_llm(pair[0], speculative_config={"method": "dflash", "model": dflash, "num_speculative_tokens": D})
+    try:
+        assert greedy(llm, vocab) == reference
+        metrics = spec_metrics(llm)
+        print("dflash spec-decode metrics:", metrics)
+        assert metrics["num_drafts"] > 0 and metrics["num_draft_tokens"] == D * metrics["num_drafts"]
+    finally:
+        close(llm)
+
+
 def test_dpara_greedy_equals_vllm_without_speculation(reference, dpara, vocab):
     from dpara_rt.engines.vllm import DParaProposer
 

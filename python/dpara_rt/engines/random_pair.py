@@ -4,6 +4,8 @@ The target's attention and MLP outputs are scaled down, so its next token depend
 (nearly a bigram model); the drafter's Markov head holds that bigram table (logits after a lone token), so its
 drafts are often accepted, whatever its random backbone does. For tests and benchmarks of engine adapters:
     target_dir, drafter_dir = write_random_pair(root)
+``write_random_dflash`` adds a random DFlash drafter for the same target, exported as a DFlashDraftModel
+checkpoint for engines' own ``dflash`` method (a baseline: it drafts badly, and stays lossless).
 """
 from __future__ import annotations
 
@@ -33,15 +35,20 @@ def build_target(seed: int = 0, **overrides):
     return hf
 
 
-def bigram_drafter(hf, layer_ids=(1, 5), num_layers: int = 1, block_size: int = 8, seed: int = 1) -> Drafter:
-    """A drafter for ``hf`` whose Markov head is hf's bigram table; ``layer_ids`` name its feature layers (the
-    default includes the last one, whose feature is taken after the final norm)."""
+def _drafter_config(hf, layer_ids, num_layers: int, block_size: int, **kw) -> DrafterConfig:
+    """A drafter config shaped like one of ``hf``'s decoder layers."""
     c = hf.config
-    dcfg = DrafterConfig(layer_ids=list(layer_ids), target_hidden_size=c.hidden_size, hidden_size=c.hidden_size,
+    return DrafterConfig(layer_ids=list(layer_ids), target_hidden_size=c.hidden_size, hidden_size=c.hidden_size,
                          num_layers=num_layers, num_attention_heads=c.num_attention_heads,
                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
                          intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0,
-                         vocab_size=c.vocab_size, block_size=block_size, markov_rank=c.vocab_size)
+                         vocab_size=c.vocab_size, block_size=block_size, **kw)
+
+
+def bigram_drafter(hf, layer_ids=(1, 5), num_layers: int = 1, block_size: int = 8, seed: int = 1) -> Drafter:
+    """A drafter for ``hf`` whose Markov head is hf's bigram table; ``layer_ids`` name its feature layers (the
+    default includes the last one, whose feature is taken after the final norm)."""
+    dcfg = _drafter_config(hf, layer_ids, num_layers, block_size, markov_rank=hf.config.vocab_size)
     drafter = Drafter(dcfg, hf.model.embed_tokens, hf.lm_head)
     torch.manual_seed(seed)
     drafter.reset_parameters()
@@ -71,3 +78,20 @@ def write_random_pair(root: str | os.PathLike, seed: int = 0, drafter_layers: in
     hf.save_pretrained(target_dir)
     save_drafter(bigram_drafter(hf, num_layers=drafter_layers), drafter_dir)
     return target_dir, drafter_dir
+
+
+def write_random_dflash(root: str | os.PathLike, seed: int = 0, block_size: int = 8, **target_overrides) -> str:
+    """A random DFlash-convention drafter (mask rows embedded as token 0, no Markov head) for the target
+    ``write_random_pair(root, seed, **target_overrides)`` writes, saved to root/dflash_drafter and exported as a
+    DFlash checkpoint to root/dflash; returns the DFlash directory."""
+    from dpara_rt.models.convert import export_dflash
+
+    hf = build_target(seed, **target_overrides)
+    dcfg = _drafter_config(hf, [1, 4], 1, block_size, markov_rank=0, draft_rows="mask", mask_token_id=0)
+    drafter = Drafter(dcfg, hf.model.embed_tokens, hf.lm_head)
+    torch.manual_seed(seed + 2)
+    drafter.reset_parameters()
+    ours, dflash = os.path.join(root, "dflash_drafter"), os.path.join(root, "dflash")
+    save_drafter(drafter, ours)
+    export_dflash(ours, dflash, num_target_layers=hf.config.num_hidden_layers)
+    return dflash

@@ -7,9 +7,14 @@ our backbone; they differ in where the drafts are read and in the head after the
 
 Both embed mask rows with the target's embedding of ``mask_token_id``. What has no counterpart is refused
 with one line naming the field; a standalone confidence head is dropped with a warning.
+
+:func:`export_dflash` goes the other way for a drafter of DFlash's convention (mask rows, a target-token mask,
+no Markov head): a ``DFlashDraftModel`` checkpoint that DFlash's reference code and vLLM's ``dflash`` method
+load, so engines can run the same drafter as a baseline.
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -189,6 +194,57 @@ def read_source(path, with_weights: bool = False):
     return config, state, own
 
 
+def _published_name(ours: str) -> str:
+    """DFlash's tensor name for one of ours (the inverse of _our_name for a DFlash checkpoint)."""
+    if ours == "context_norm.weight":
+        return "hidden_norm.weight"
+    parts = ours.split(".")
+    if parts[0] == "layers" and ".".join(parts[2:-1]) in _MLP:
+        return f"layers.{parts[1]}.mlp.{'.'.join(parts[2:])}"
+    return ours
+
+
+def export_dflash(src, dst, num_target_layers: int) -> dict:
+    """Write the drafter at ``src`` (dpara_rt format) as a DFlash checkpoint at ``dst`` (config.json +
+    model.safetensors, DFlash's tensor names) for a target of ``num_target_layers`` decoder layers. Only DFlash's
+    own convention exports exactly: draft_rows 'mask', a target-token mask row, no Markov head. Returns the
+    config written."""
+    from safetensors.torch import load_file, save_file
+
+    from dpara_rt.models.drafter_io import WEIGHTS_NAME, read_drafter_config
+    c = read_drafter_config(src)
+    if c.draft_rows != "mask":
+        _refuse("draft_rows", c.draft_rows, "a DFlash checkpoint drafts from the mask rows after the anchor; train a "
+                "draft_rows 'mask' drafter (python -m dpara_rt.train.preset_smollm2 --dflash)")
+    if c.markov_rank:
+        _refuse("markov_rank", c.markov_rank, "DFlash has no Markov head; expected 0 (exporting would drop the head)")
+    if c.mask_token_id is None:
+        _refuse("mask_token_id", None, "DFlash embeds its mask rows as a target token; expected a token id")
+    if not 0 < num_target_layers or max(c.layer_ids) >= num_target_layers:
+        raise ValueError(f"num_target_layers={num_target_layers}: expected more than the drafter's largest feature "
+                         f"layer {max(c.layer_ids)}")
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError(f"export destination {dst} is the source directory; expected a new directory")
+    state = load_file(os.path.join(src, WEIGHTS_NAME))
+    tensors = {_published_name(n): t.contiguous() for n, t in state.items() if n not in ("w1", "w2")}
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"}, "vocab_size": c.vocab_size,
+        "max_position_embeddings": 32768, "attention_bias": False, "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * c.num_layers, "target_hidden_size": c.target_hidden_size,
+        "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
+        "block_size": c.block_size + 1, "num_target_layers": int(num_target_layers),
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.layer_ids)},
+    }
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    (Path(dst) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return config
+
+
 def convert(kind: str, src, dst) -> DrafterConfig:
     """Rewrite a published ``kind`` ('dspark' or 'dflash') drafter at ``src`` as a dpara_rt drafter at ``dst``."""
     if kind not in KINDS:
@@ -204,4 +260,5 @@ def convert(kind: str, src, dst) -> DrafterConfig:
     return config
 
 
-__all__ = ["KINDS", "UnsupportedCheckpoint", "convert", "read_source", "source_config", "source_format"]
+__all__ = ["KINDS", "UnsupportedCheckpoint", "convert", "export_dflash", "read_source", "source_config",
+           "source_format"]

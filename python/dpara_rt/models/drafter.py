@@ -115,7 +115,8 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target_config, num_layers: int = 1, num_feature_layers: int = 5, block_size: int = 7,
-                   markov_rank: int = 256, layer_ids: Sequence[int] | None = None) -> "DrafterConfig":
+                   markov_rank: int = 256, layer_ids: Sequence[int] | None = None, draft_rows: str = "anchor",
+                   mask_token_id: int | None = None) -> "DrafterConfig":
         """A drafter shaped like one of the target's decoder layers (what DFlash/DSpark do); feature layers
         ``layer_ids`` or ``num_feature_layers`` spread evenly over the target's depth."""
         t = target_config
@@ -125,7 +126,8 @@ class DrafterConfig:
                    hidden_size=t.hidden_size, num_layers=num_layers, num_attention_heads=t.num_attention_heads,
                    num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
                    intermediate_size=t.intermediate_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
-                   vocab_size=t.vocab_size, block_size=block_size, markov_rank=markov_rank)
+                   vocab_size=t.vocab_size, block_size=block_size, markov_rank=markov_rank,
+                   mask_token_id=mask_token_id, draft_rows=draft_rows)
 
 
 # ---------------------------------------------------------------- modules

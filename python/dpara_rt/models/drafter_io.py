@@ -139,6 +139,35 @@ def load_drafter_weights(drafter: Drafter, path: str | os.PathLike) -> None:
     _load_state(drafter, state, file)
 
 
+def copy_backbone(drafter: Drafter, path: str | os.PathLike) -> list[str]:
+    """Start ``drafter``'s backbone from the drafter checkpoint at ``path`` (any format) for another draft
+    convention or head: every tensor but the Markov head's and the learned mask row, which must match in name
+    and shape. Returns the names copied."""
+    config, state, _ = _checkpoint_state(path)
+    if config.layer_ids != drafter.config.layer_ids:
+        raise ValueError(f"drafter checkpoint {path} reads target layers {config.layer_ids}; this drafter reads "
+                         f"{drafter.config.layer_ids}")
+    own = drafter.state_dict()
+    names = sorted(n for n in own if n not in ("w1", "w2", "mask_embedding"))
+    bad = [f"{n} {tuple(state[n].shape) if n in state else 'missing'} (expected {tuple(own[n].shape)})"
+           for n in names if n not in state or state[n].shape != own[n].shape]
+    if bad:
+        raise ValueError(f"drafter checkpoint {path} does not fit this drafter's backbone: {', '.join(bad)}")
+    with torch.no_grad():
+        for n in names:
+            own[n].copy_(state[n])
+    return names
+
+
+def _checkpoint_state(path) -> tuple[DrafterConfig, dict[str, Tensor], dict]:
+    """(config, tensors in our names, a published checkpoint's own embed_tokens/lm_head) of any drafter format."""
+    if checkpoint_format(path) != "dpara_rt":
+        from dpara_rt.models.convert import read_source
+        return read_source(path, with_weights=True)
+    from safetensors.torch import load_file
+    return _read_own_config(path), load_file(os.path.join(path, WEIGHTS_NAME)), {}
+
+
 def _load_state(drafter: Drafter, state: dict[str, Tensor], where) -> None:
     expected = drafter.state_dict()
     missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -153,5 +182,5 @@ def _load_state(drafter: Drafter, state: dict[str, Tensor], where) -> None:
     drafter.load_state_dict(state)
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "check_target_compatible", "checkpoint_format", "load_drafter",
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "check_target_compatible", "checkpoint_format", "copy_backbone", "load_drafter",
            "load_drafter_weights", "pair_problems", "read_drafter_config", "save_drafter", "write_drafter"]

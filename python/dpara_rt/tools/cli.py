@@ -1,4 +1,4 @@
-"""The `dpara-rt` command line: demo (the main job), generate, serve, info, convert, train, bench."""
+"""The `dpara-rt` command line: demo (the main job), generate, serve, info, convert, export, train, bench."""
 from __future__ import annotations
 
 import argparse
@@ -400,6 +400,16 @@ def cmd_convert(args):
     return 0
 
 
+def cmd_export(args):
+    from dpara_rt.models.convert import export_dflash
+    if not os.path.isdir(args.src):
+        raise CliError(f"source {args.src} is not a directory; expected a dpara_rt drafter directory")
+    c = export_dflash(args.src, args.dst, args.target_layers)
+    print(f"wrote {args.dst} (config.json, model.safetensors): a DFlashDraftModel checkpoint from {args.src}; "
+          f"block_size {c['block_size']}, dflash_config {c['dflash_config']}")
+    return 0
+
+
 def cmd_train(args):
     if args.preset != "tiny":
         raise CliError(f"unknown preset {args.preset!r}; expected 'tiny'")
@@ -530,6 +540,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="the published drafter directory (config.json + safetensors)")
     conv.add_argument("dst", help="where to write drafter_config.json + drafter.safetensors")
     conv.set_defaults(fn=cmd_convert)
+
+    exp = sub.add_parser("export", help="write a dpara_rt drafter as a published checkpoint (DFlash) for other "
+                                        "engines, e.g. vLLM's dflash method")
+    exp.add_argument("kind", choices=("dflash",))
+    exp.add_argument("src", help="a dpara_rt drafter directory (draft_rows 'mask', no Markov head)")
+    exp.add_argument("dst", help="where to write config.json + model.safetensors")
+    exp.add_argument("--target-layers", type=int, required=True, help="the target's number of decoder layers")
+    exp.set_defaults(fn=cmd_export)
 
     train = sub.add_parser("train", help="run the training recipes")
     train.add_argument("--preset", default="tiny")

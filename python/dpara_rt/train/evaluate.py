@@ -23,10 +23,11 @@ MODES = ("dspark", "dpara")
 
 
 def _markov_greedy(drafter: Drafter, boundary, r, bonus):
-    """Greedy Markov-head walk from x_0 = bonus over boundary[:, r] (the fused op; torch on the CPU)."""
+    """Greedy Markov-head walk from x_0 = bonus over boundary[:, r] (the fused op; torch on the CPU); without a
+    head (rank 0) the argmax of the branch."""
     from dpara_rt.ops import markov_head
 
-    draft, _ = markov_head(boundary, r, bonus, drafter.w1, drafter.w2, temperature=0.0)
+    draft, _ = markov_head(boundary, r, bonus, *drafter.markov_factors(dtype=None), temperature=0.0)
     return draft
 
 

