@@ -13,7 +13,8 @@ absent: no dflash row), for the random pair a random one (lossless, rarely accep
 Greedy, ignore_eos, enforce_eager, prefix caching off; every engine gets one warm-up generate before the timed one.
 tok/s counts generated tokens over the timed generate's wall time. Each engine is checked to reproduce its own AR's
 output (and vLLM AR's: dpara_rt's bf16 host math and vLLM's kernels round apart, so there they may part).
-`--native` adds dpara_rt's own engine on the same prompts (AR, DPara, and its dflash method on the DFlash drafter). The engines run one after another in this process (vLLM's engine core and worker in their own processes).
+`--native` adds dpara_rt's own engine on the same prompts (AR, DPara, and its dflash method on the DFlash drafter).
+The engines run one after another in this process (vLLM's engine core and worker in their own processes).
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def pick_pair(args, tmp: str):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist()
                for n in torch.randint(8, 40, (args.prompts,), generator=g)]
-    return target, drafter_dir, dflash, prompts, (f"random Llama (hidden {args.hidden}, {args.layers} layers, vocab 256) "
-                                          "+ its bigram drafter")
+    return target, drafter_dir, dflash, prompts, (f"random Llama (hidden {args.hidden}, {args.layers} layers, "
+                                                  "vocab 256) + its bigram drafter")
 
 
 def run_engine(name: str, target: str, prompts, args, stats_path: str, bind: str | None = None, **spec) -> dict:

@@ -268,7 +268,8 @@ def test_export_dflash_round_trips_to_dflash_reference(dflash_ref, dflash_dir, t
 
     convert("dflash", dflash_dir, tmp_path / "ours")
     cfg = export_dflash(tmp_path / "ours", tmp_path / "back", num_target_layers=4)
-    assert (cfg["block_size"], cfg["dflash_config"]) == (BLOCK, {"mask_token_id": MASK_TOKEN, "target_layer_ids": LAYERS})
+    assert (cfg["block_size"], cfg["dflash_config"]) == (BLOCK, {"mask_token_id": MASK_TOKEN,
+                                                                 "target_layer_ids": LAYERS})
     assert checkpoint_format(tmp_path / "back") == "dflash"
     want = dflash_ref.state_dict()
     got = load_file(tmp_path / "back" / "model.safetensors")

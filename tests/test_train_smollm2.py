@@ -234,3 +234,22 @@ def test_shipped_training_prompts_are_not_evaluation_prompts():
     assert len(prompts) > 100 and len(evals) > 0
     clash = [p.text for p in prompts if p.text in evals or p.text.strip() in evals]
     assert not clash, clash[:3]
+
+
+def test_shipped_dflash_baseline_is_dflash_shaped_and_exports(tmp_path):
+    """The DFlash baseline beside the shipped drafter: sha-checked, DFlash's convention, trained on the same
+    prompts, and exportable for vLLM's dflash method."""
+    from dpara_rt.assets.smollm2 import PROMPTS_NAME, SMOLLM2_DIR, read_smollm2_manifest
+    from dpara_rt.models.convert import export_dflash
+    from dpara_rt.models.drafter_io import read_drafter_config
+    from dpara_rt.train import preset_smollm2
+
+    root = SMOLLM2_DIR / "dflash"
+    manifest = read_smollm2_manifest(root)
+    c = read_drafter_config(root / "drafter")
+    assert (c.draft_rows, c.markov_rank, c.mask_token_id) == ("mask", 0, preset_smollm2.DFLASH_MASK_TOKEN)
+    assert c.layer_ids == read_drafter_config(SMOLLM2_DIR / "drafter").layer_ids
+    assert (root / PROMPTS_NAME).read_bytes() == (SMOLLM2_DIR / PROMPTS_NAME).read_bytes()
+    assert manifest["regenerate_with"] == preset_smollm2.DFLASH_COMMAND and manifest["drafter"]["stage1"]["steps"] > 0
+    config = export_dflash(root / "drafter", tmp_path / "dflash", num_target_layers=30)
+    assert config["block_size"] == c.block_size + 1 and config["dflash_config"]["target_layer_ids"] == c.layer_ids

@@ -19,7 +19,6 @@ import os
 import warnings
 from pathlib import Path
 
-from torch import Tensor
 
 from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.drafter import DrafterConfig

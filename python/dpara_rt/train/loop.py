@@ -1,6 +1,6 @@
 """Drafter training: stage 1 (DSpark: backbone + Markov head; a DFlash drafter, draft_rows "mask": backbone
-only) and stage 2 (M-DFlash: backbone only on spine + branch layouts, Markov head frozen). Both resume from a checkpoint directory, show a tqdm bar and
-estimate held-out tau after each epoch."""
+only) and stage 2 (M-DFlash: backbone only on spine + branch layouts, Markov head frozen). Both resume from a
+checkpoint directory, show a tqdm bar and estimate held-out tau after each epoch."""
 from __future__ import annotations
 
 import math

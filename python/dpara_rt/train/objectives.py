@@ -221,5 +221,6 @@ def greedy_match(draft: Tensor, truth: Tensor) -> Tensor:
     return (draft == truth).long().cumprod(dim=1).sum(dim=1)
 
 
-__all__ = ["Layout", "anchor_range", "dflash_layout", "distill_loss", "dspark_layout", "greedy_match", "head_distill_loss",
+__all__ = ["Layout", "anchor_range", "dflash_layout", "distill_loss", "dspark_layout", "greedy_match",
+           "head_distill_loss",
            "layout_loss", "mdflash_layout", "position_weights", "sample_anchors", "transposed_head"]

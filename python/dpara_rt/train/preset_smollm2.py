@@ -340,7 +340,8 @@ def run_smollm2_preset(out_dir=SMOLLM2_DIR, data_minutes: float = 25.0, stage1_m
             "continuations": "the target's own (greedy; every sampled_every-th shard at temperature 1)",
             "heldout": "greedy continuations of prompts from held-out topics and stdlib modules"}},
         "drafter": {"parameters": _count(drafter), "config": dcfg.to_dict(), "d": d, "bytes": drafter_bytes,
-                    "stage1": {**s1, "epoch_taus_mode": "dspark"}, "stage2": s2 if dcfg.lead else {**s2, "epoch_taus_mode": "dpara"}},
+                    "stage1": {**s1, "epoch_taus_mode": "dspark"},
+                    "stage2": s2 if dcfg.lead else {**s2, "epoch_taus_mode": "dpara"}},
         "files": described,
     }
     (ship / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
