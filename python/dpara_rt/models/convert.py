@@ -19,7 +19,6 @@ import os
 import warnings
 from pathlib import Path
 
-
 from dpara_rt.jsonfile import read_json_object
 from dpara_rt.models.drafter import DrafterConfig
 from dpara_rt.models.qwen3 import ARCHITECTURE, Qwen3Config

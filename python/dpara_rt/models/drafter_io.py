@@ -183,5 +183,5 @@ def _load_state(drafter: Drafter, state: dict[str, Tensor], where) -> None:
 
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "check_target_compatible", "checkpoint_format", "copy_backbone",
-           "load_drafter",
-           "load_drafter_weights", "pair_problems", "read_drafter_config", "save_drafter", "write_drafter"]
+           "load_drafter", "load_drafter_weights", "pair_problems", "read_drafter_config", "save_drafter",
+           "write_drafter"]

@@ -222,5 +222,5 @@ def greedy_match(draft: Tensor, truth: Tensor) -> Tensor:
 
 
 __all__ = ["Layout", "anchor_range", "dflash_layout", "distill_loss", "dspark_layout", "greedy_match",
-           "head_distill_loss",
-           "layout_loss", "mdflash_layout", "position_weights", "sample_anchors", "transposed_head"]
+           "head_distill_loss", "layout_loss", "mdflash_layout", "position_weights", "sample_anchors",
+           "transposed_head"]
