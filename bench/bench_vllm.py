@@ -2,14 +2,14 @@
 on one target and one prompt set, in one run; prints tok/s, tau and the ratios to vLLM AR.
 
     ../vllm-env/bin/python bench/bench_vllm.py [--prompts 4] [--max-tokens 64] [--d 7] [--dtype bfloat16]
-                                               [--native] [--split]
+                                               [--native] [--split] [--dflash-drafter DIR]
 
 Target: SmolLM2-135M-Instruct (GGUF, converted) with the trained drafter at
 python/dpara_rt/assets/smollm2/drafter/ when that exists (or --drafter DIR), else the random pair of
 dpara_rt.engines.random_pair (a nearly-bigram random Llama and its bigram drafter; prompts are random token ids).
 vLLM's dflash method runs a DFlash-convention drafter exported with dpara_rt.models.convert.export_dflash: for
-SmolLM2 the baseline trained on the same data (python/dpara_rt/assets/smollm2/dflash/, or --dflash-drafter DIR;
-absent: no dflash row), for the random pair a random one (lossless, rarely accepted).
+SmolLM2 --dflash-drafter DIR (the baseline `python -m dpara_rt.train.preset_smollm2 --dflash` trains; without it
+no dflash rows), for the random pair a random one (lossless, rarely accepted).
 Greedy, ignore_eos, enforce_eager, prefix caching off; every engine gets one warm-up generate before the timed one.
 tok/s counts generated tokens over the timed generate's wall time. Each engine is checked to reproduce its own AR's
 output (and vLLM AR's: dpara_rt's bf16 host math and vLLM's kernels round apart, so there they may part).
@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 SMOLLM2_DRAFTER = Path(__file__).resolve().parent.parent / "python/dpara_rt/assets/smollm2/drafter"
-SMOLLM2_DFLASH = SMOLLM2_DRAFTER.parent / "dflash" / "drafter"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
              "List three uses of a paperclip.", "How do I reverse a list in Python?", "What causes rain?",
              "Name the planets of the solar system.", "Give a recipe for pancakes."]
@@ -41,16 +40,16 @@ def pick_pair(args, tmp: str):
 
     drafter = Path(args.drafter) if args.drafter else SMOLLM2_DRAFTER
     if not args.random and (drafter / "drafter_config.json").is_file():
-        dflash = Path(args.dflash_drafter) if args.dflash_drafter else SMOLLM2_DFLASH
-        exported = None
-        if (dflash / "drafter_config.json").is_file():
-            exported = os.path.join(tmp, "dflash")
-            export_dflash(dflash, exported, num_target_layers=30)
         from transformers import AutoTokenizer
 
         from dpara_rt.models import smollm2_path
         from dpara_rt.models.gguf import gguf_to_dir
         target = str(gguf_to_dir(smollm2_path()))
+        exported = None
+        if args.dflash_drafter:
+            exported = os.path.join(tmp, "dflash")
+            layers = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
+            export_dflash(args.dflash_drafter, exported, num_target_layers=layers)
         tok = AutoTokenizer.from_pretrained(target)
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                    for q in QUESTIONS[:args.prompts]]
@@ -144,7 +143,8 @@ def main():
     ap.add_argument("--d", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--drafter", help="a drafter directory for SmolLM2 (default: the trained one, if present)")
-    ap.add_argument("--dflash-drafter", help="a DFlash-convention drafter for SmolLM2 (default: the shipped baseline)")
+    ap.add_argument("--dflash-drafter", help="a DFlash-convention drafter for SmolLM2 (preset_smollm2 --dflash); "
+                    "adds vLLM DFlash (and, with --native, dpara_rt DFlash)")
     ap.add_argument("--random", action="store_true", help="use the random pair even if the SmolLM2 drafter exists")
     ap.add_argument("--hidden", type=int, default=512, help="random target's hidden size")
     ap.add_argument("--layers", type=int, default=8, help="random target's layers")
@@ -178,9 +178,8 @@ def main():
         if args.random or not (Path(drafter) / "drafter_config.json").is_file():
             raise SystemExit("--native runs SmolLM2 with its drafter; drop --random")
         rows += [run_native("dpara_rt AR", "ar", prompts, args), run_native("dpara_rt DPara", "dpara", prompts, args)]
-        dflash_drafter = Path(args.dflash_drafter) if args.dflash_drafter else SMOLLM2_DFLASH
-        if (dflash_drafter / "drafter_config.json").is_file():
-            rows.append(run_native("dpara_rt DFlash", "dflash", prompts, args, dflash_drafter))
+        if args.dflash_drafter:
+            rows.append(run_native("dpara_rt DFlash", "dflash", prompts, args, args.dflash_drafter))
     ar = rows[0]
     own_ar = {r["engine"].split()[0]: r for r in rows if r["engine"].endswith(" AR")}  # each engine's own AR
     print(f"\n{'engine':<14} {'tok/s':>8} {'x AR':>6} {'tau':>6} {'wall s':>7}  same output as its AR, as vLLM AR")

@@ -236,20 +236,11 @@ def test_shipped_training_prompts_are_not_evaluation_prompts():
     assert not clash, clash[:3]
 
 
-def test_shipped_dflash_baseline_is_dflash_shaped_and_exports(tmp_path):
-    """The DFlash baseline beside the shipped drafter: sha-checked, DFlash's convention, trained on the same
-    prompts, and exportable for vLLM's dflash method."""
-    from dpara_rt.assets.smollm2 import PROMPTS_NAME, SMOLLM2_DIR, read_smollm2_manifest
-    from dpara_rt.models.convert import export_dflash
-    from dpara_rt.models.drafter_io import read_drafter_config
+
+def test_the_dflash_baseline_never_replaces_the_shipped_drafter(capsys):
+    from dpara_rt.assets.smollm2 import SMOLLM2_DIR
     from dpara_rt.train import preset_smollm2
 
-    root = SMOLLM2_DIR / "dflash"
-    manifest = read_smollm2_manifest(root)
-    c = read_drafter_config(root / "drafter")
-    assert (c.draft_rows, c.markov_rank, c.mask_token_id) == ("mask", 0, preset_smollm2.DFLASH_MASK_TOKEN)
-    assert c.layer_ids == read_drafter_config(SMOLLM2_DIR / "drafter").layer_ids
-    assert (root / PROMPTS_NAME).read_bytes() == (SMOLLM2_DIR / PROMPTS_NAME).read_bytes()
-    assert manifest["regenerate_with"] == preset_smollm2.DFLASH_COMMAND and manifest["drafter"]["stage1"]["steps"] > 0
-    config = export_dflash(root / "drafter", tmp_path / "dflash", num_target_layers=30)
-    assert config["block_size"] == c.block_size + 1 and config["dflash_config"]["target_layer_ids"] == c.layer_ids
+    assert preset_smollm2.main(["--dflash"]) == 2  # before anything loads
+    err = capsys.readouterr().err
+    assert f"--dflash with --out {SMOLLM2_DIR}" in err and "expected --out DIR elsewhere" in err

