@@ -113,6 +113,38 @@ def test_time_limit_stops_and_checkpoints(data, tiny_target, tiny_layer_ids, tmp
     assert (tmp_path / "train_state.pt").exists() and (tmp_path / "drafter.safetensors").exists()
 
 
+def test_lr_stays_then_decays_over_the_last_share_of_the_budget():
+    cfg = TrainConfig(lr=1e-3, decay_share=0.25)
+    assert [cfg.lr_at(x) for x in (0.0, 0.5, 0.75)] == [1e-3] * 3
+    assert cfg.lr_at(0.875) == pytest.approx(5e-4) and cfg.lr_at(1.0) == 0.0 and cfg.lr_at(1.2) == 0.0
+    assert TrainConfig(lr=1e-3).lr_at(0.99) == 1e-3  # decay_share 0: constant
+    for bad in (dict(decay_share=1.0), dict(decay_share=-0.1), dict(spent_s=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainConfig(**bad)
+
+
+def test_training_follows_the_lr_schedule_on_resume_too(data, tiny_target, tiny_layer_ids, tmp_path, monkeypatch):
+    import dpara_rt.train.loop as loop
+
+    seen = []
+    real_step = loop.optimizer_step
+
+    def record(opt, loss, params, grad_clip):
+        seen.append(opt.param_groups[0]["lr"])
+        real_step(opt, loss, params, grad_clip)
+
+    monkeypatch.setattr(loop, "optimizer_step", record)
+    cfg = dict(epochs=10, batch_size=4, lr=1e-3, decay_share=0.5, progress=False, checkpoint_dir=str(tmp_path))
+    train_stage1(_drafter(tiny_target, tiny_layer_ids), data, TrainConfig(max_steps=2, **cfg))
+    # resumed with a larger step budget: the checkpoint's optimizer brings lr 1e-3; the schedule overrides it
+    train_stage1(_drafter(tiny_target, tiny_layer_ids), data, TrainConfig(max_steps=4, **cfg))
+    assert seen == pytest.approx([1e-3, 1e-3, 1e-3, 5e-4])  # step s of 4 at progress s / 4
+    seen.clear()
+    timed = TrainConfig(max_steps=2, lr=1e-3, decay_share=0.5, progress=False, time_limit_s=30.0, spent_s=60.0)
+    train_stage1(_drafter(tiny_target, tiny_layer_ids), data, timed)
+    assert all(0 < lr < 1e-3 * (1 - 60 / 90) / 0.5 + 1e-9 for lr in seen)  # 2/3 of a 90 s budget already spent
+
+
 def test_epochs_log_held_out_tau(data, tiny_target, tiny_layer_ids, capsys):
     train, held_out = data.split(3)
     dr = _drafter(tiny_target, tiny_layer_ids)

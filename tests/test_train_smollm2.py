@@ -117,6 +117,24 @@ def test_cat_pads_shards_and_keeps_the_cache():
         TrainData(a.tokens, a.lengths, a.prompt_lens, a.features, None, a.layer_ids, 0.0)
 
 
+def test_load_many_joins_saved_shards_as_cat_does(tmp_path):
+    model = tiny_llama()
+    parts = [build_train_data(model, [[5, 6, 7]] * 2, 4, [1], eos_ids=[], cache="hidden"),
+             build_train_data(model, [[5, 6, 7, 8, 9, 10]], 6, [1], eos_ids=[], cache="hidden", temperature=1.0),
+             build_train_data(model, [[3, 4]], 2, [1], eos_ids=[], cache="hidden")]
+    paths = [tmp_path / f"train_{i}.safetensors" for i in range(len(parts))]
+    for part, path in zip(parts, paths):
+        part.save(path)
+    joined, want = TrainData.load_many(paths), TrainData.cat(parts)
+    assert joined.tokens.shape == (4, 12)
+    for name in ("tokens", "lengths", "prompt_lens", "features", "hidden"):
+        assert torch.equal(getattr(joined, name), getattr(want, name)), name
+    assert joined.temperature != joined.temperature and joined.layer_ids == [1]
+    (tmp_path / "bad.safetensors").write_bytes(b"not a shard")
+    with pytest.raises(ValueError, match="bad.safetensors"):
+        TrainData.load_many([paths[0], tmp_path / "bad.safetensors"])
+
+
 def test_preset_on_a_tiny_llama(tmp_path, monkeypatch):
     from dpara_rt.assets.smollm2 import load_smollm2_pair
     from dpara_rt.train import preset_smollm2 as ps

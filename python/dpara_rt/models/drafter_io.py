@@ -100,11 +100,7 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, device=None, 
     """Load a drafter checkpoint (dpara_rt, DSpark or DFlash) for ``target_model``; it shares the target's
     embed_tokens / lm_head (copied only when ``device``/``dtype`` differ from the target's)."""
     fmt = checkpoint_format(path)
-    if fmt == "dpara_rt":
-        config, state, own_head = _read_own_config(path), None, {}
-    else:
-        from dpara_rt.models.convert import read_source
-        config, state, own_head = read_source(path, with_weights=True)
+    config, state, own_head = _checkpoint_state(path)
     check_target_compatible(config, target_model)
     embed, head = target_model.embed_tokens, target_model.lm_head
     for name, mine in own_head.items():  # DSpark keeps frozen copies of the target's; the target's are used
@@ -113,30 +109,30 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, device=None, 
             warnings.warn(f"the {fmt} checkpoint's own {name} differs from the target's; dpara_rt drafts with the "
                           "target's (lossless either way; acceptance may drop)", stacklevel=2)
     drafter = Drafter(config, _shared_on(embed, device, dtype), _shared_on(head, device, dtype))
-    if state is None:
-        load_drafter_weights(drafter, path)
-    else:
-        _load_state(drafter, state, path)
+    _load_state(drafter, state, os.path.join(path, WEIGHTS_NAME) if fmt == "dpara_rt" else path)
     return drafter
 
 
 def load_drafter_weights(drafter: Drafter, path: str | os.PathLike) -> None:
     """Load a dpara_rt checkpoint's weights into an existing drafter of the same config (training resume)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     config = read_drafter_config(path)
     if config != drafter.config:
         raise ValueError(f"drafter checkpoint {path} has config {config.to_dict()}, "
                          f"the drafter has {drafter.config.to_dict()}")
+    _load_state(drafter, _read_own_weights(path), os.path.join(path, WEIGHTS_NAME))
+
+
+def _read_own_weights(path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     file = os.path.join(path, WEIGHTS_NAME)
     try:
-        state = load_file(file)
+        return load_file(file)
     except FileNotFoundError:
         raise ValueError(f"drafter checkpoint {path} has a config but no {WEIGHTS_NAME}") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"corrupt drafter weights {file}: {e}") from None
-    _load_state(drafter, state, file)
 
 
 def copy_backbone(drafter: Drafter, path: str | os.PathLike) -> list[str]:
@@ -164,8 +160,7 @@ def _checkpoint_state(path) -> tuple[DrafterConfig, dict[str, Tensor], dict]:
     if checkpoint_format(path) != "dpara_rt":
         from dpara_rt.models.convert import read_source
         return read_source(path, with_weights=True)
-    from safetensors.torch import load_file
-    return _read_own_config(path), load_file(os.path.join(path, WEIGHTS_NAME)), {}
+    return _read_own_config(path), _read_own_weights(path), {}
 
 
 def _load_state(drafter: Drafter, state: dict[str, Tensor], where) -> None:

@@ -92,25 +92,52 @@ class TrainData:
     @classmethod
     def cat(cls, parts: Sequence["TrainData"]) -> "TrainData":
         """One data set from several (shards): sequences right-padded to the longest, layers and cache checked."""
-        if not parts:
+        return cls._joined([(len(p), p.tokens.shape[1]) for p in parts], lambda i: parts[i])
+
+    @classmethod
+    def load_many(cls, paths: Sequence[str | os.PathLike]) -> "TrainData":
+        """``cat`` of the shards saved at ``paths``, read one at a time into the joined tensors: memory holds the
+        joined data and one shard, not every shard twice."""
+        from safetensors import SafetensorError, safe_open
+
+        paths, shapes = list(paths), []
+        for path in paths:
+            try:
+                with safe_open(os.fspath(path), framework="pt") as f:
+                    shapes.append(tuple(f.get_slice("tokens").get_shape()))
+            except (SafetensorError, OSError, KeyError) as e:
+                raise ValueError(f"cannot read train data {path}: {e}") from None
+        return cls._joined(shapes, lambda i: cls.load(paths[i]))
+
+    @classmethod
+    def _joined(cls, shapes: list[tuple[int, int]], part) -> "TrainData":
+        """The parts ``part(i)`` of [S_i, N_i] tokens each, copied one by one into tensors allocated once."""
+        if not shapes:
             raise ValueError("TrainData.cat needs at least one part")
-        first = parts[0]
-        for p in parts[1:]:
-            if p.layer_ids != first.layer_ids or p.cache != first.cache:
+        total, n = sum(s for s, _ in shapes), max(m for _, m in shapes)
+        joined, first, lengths, prompt_lens, temps, row = {}, None, [], [], set(), 0
+        for i, shape in enumerate(shapes):
+            p = part(i)
+            if first is None:
+                first = p
+                for name in ("tokens", "features", "logits", "hidden"):
+                    t = getattr(p, name)
+                    joined[name] = None if t is None else t.new_zeros((total, n, *t.shape[2:]))
+            elif p.layer_ids != first.layer_ids or p.cache != first.cache:
                 raise ValueError(f"cannot join train data with layers {p.layer_ids} / {p.cache} cache to layers "
                                  f"{first.layer_ids} / {first.cache} cache")
-        n = max(p.tokens.shape[1] for p in parts)
-
-        def pad(name):
-            ts = [getattr(p, name) for p in parts]
-            if ts[0] is None:
-                return None
-            return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n - t.shape[1])) for t in ts])
-
-        temps = {p.temperature for p in parts}
-        return cls(pad("tokens"), torch.cat([p.lengths for p in parts]), torch.cat([p.prompt_lens for p in parts]),
-                   pad("features"), pad("logits"), list(first.layer_ids),
-                   temps.pop() if len(temps) == 1 else float("nan"), pad("hidden"))
+            if tuple(p.tokens.shape) != tuple(shape):
+                raise ValueError(f"train data part {i} has tokens {tuple(p.tokens.shape)}; expected {tuple(shape)}")
+            for name, t in joined.items():
+                if t is not None:
+                    src = getattr(p, name)
+                    t[row:row + len(p), :src.shape[1]] = src
+            lengths.append(p.lengths)
+            prompt_lens.append(p.prompt_lens)
+            temps.add(p.temperature)
+            row += len(p)
+        return cls(joined["tokens"], torch.cat(lengths), torch.cat(prompt_lens), joined["features"], joined["logits"],
+                   list(first.layer_ids), temps.pop() if len(temps) == 1 else float("nan"), joined["hidden"])
 
     def split(self, n_heldout: int) -> tuple["TrainData", "TrainData"]:
         """(train, held-out): the last ``n_heldout`` sequences are held out."""

@@ -37,6 +37,8 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None
     time_limit_s: float | None = None  # stop (evaluate, checkpoint) after the first step past this budget
+    spent_s: float = 0.0              # of the same time budget, spent by earlier runs (a resumed stage)
+    decay_share: float = 0.0          # lr falls linearly to 0 over this last share of the budget (time or steps)
     checkpoint_dir: str | None = None
     save_every: int = 0               # steps between checkpoints (0: at the end of each epoch only)
     resume: bool = True
@@ -49,6 +51,16 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: expected a positive integer")
         if not self.lr > 0 or self.save_every < 0:
             raise ValueError(f"TrainConfig: lr={self.lr} must be > 0 and save_every={self.save_every} >= 0")
+        if not 0.0 <= self.decay_share < 1.0 or self.spent_s < 0:
+            raise ValueError(f"TrainConfig: decay_share={self.decay_share} must be in [0, 1) and "
+                             f"spent_s={self.spent_s} >= 0")
+
+    def lr_at(self, progress: float) -> float:
+        """Stable, then decay: ``lr`` until 1 - decay_share of the budget is spent, then linearly towards 0.
+        A time budget is read by wall time, so a stage resumed with a larger budget decays at its new end."""
+        if not self.decay_share:
+            return self.lr
+        return self.lr * min(1.0, max(0.0, 1.0 - progress) / self.decay_share)
 
 
 @dataclass
@@ -152,6 +164,13 @@ def _train(drafter: Drafter, data: TrainData, cfg: TrainConfig, eval_data: Train
     bar = tqdm(total=total, initial=result.step, desc=f"drafter {stage}", disable=not cfg.progress)
     drafter.train()
     started = time.monotonic()
+
+    def progress() -> float:  # the share of the budget spent before this step
+        if cfg.time_limit_s is None:
+            return result.step / total
+        budget = cfg.spent_s + cfg.time_limit_s
+        return (cfg.spent_s + time.monotonic() - started) / budget if budget > 0 else 1.0
+
     while result.step < total:
         epoch, i = divmod(result.step, per_epoch)
         # order and anchors are functions of (seed, epoch, step): a resumed run sees the same batches
@@ -160,6 +179,8 @@ def _train(drafter: Drafter, data: TrainData, cfg: TrainConfig, eval_data: Train
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + result.step)
         anchors = sample_anchors(data, index, layout, cfg.anchors_per_sequence, g)
         loss = layout_loss(drafter, data, index, anchors, layout, cfg.ce_weight, cfg.tv_weight, cfg.temperature)
+        for group in opt.param_groups:  # also overrides the lr a resumed optimizer state brings
+            group["lr"] = cfg.lr_at(progress())
         optimizer_step(opt, loss, params, cfg.grad_clip)
         result.step += 1
         result.losses.append(loss.item())

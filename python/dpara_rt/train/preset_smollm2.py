@@ -76,9 +76,9 @@ class SmolLM2Preset:
     generate_batch: int = 32
     shard_size: int = 32
     stage1: dict = field(default_factory=lambda: dict(batch_size=8, anchors_per_sequence=8, lr=1e-3,
-                                                      save_every=25))
+                                                      decay_share=0.3, save_every=25))
     stage2: dict = field(default_factory=lambda: dict(batch_size=4, anchors_per_sequence=2, lr=5e-4,
-                                                      save_every=25))
+                                                      decay_share=0.3, save_every=25))
     eval_sequences: int = 8           # held-out sequences scored after each epoch (all at the end)
     host_math: str = "bf16"           # the target's products on the host (generation, features, loss targets)
     seed: int = 0
@@ -192,7 +192,7 @@ def build_data(target_model, tokenizer, preset: SmolLM2Preset, layer_ids, work: 
     if shards == 0:
         raise RuntimeError(f"no training shard was generated within {minutes} data minutes; give the data step "
                            "more time")
-    train = TrainData.cat([TrainData.load(data_dir / f"train_{i:04d}.safetensors") for i in range(shards)])
+    train = TrainData.load_many([data_dir / f"train_{i:04d}.safetensors" for i in range(shards)])
     heldout = TrainData.load(ho_file)
     used = heldout_p + train_p[:min(shards, n_chunks) * preset.shard_size]
     clashes = sum(1 for p in used if p.text in exclude or p.text.strip() in exclude)
@@ -242,7 +242,7 @@ def run_stage(fn, drafter: Drafter, data: TrainData, heldout: TrainData, knobs: 
             return json.loads(done.read_text()), False
         done.unlink()
     left = max(60.0 * minutes - spent, 1.0)
-    cfg = TrainConfig(d=d, epochs=10_000, time_limit_s=left, checkpoint_dir=str(ckpt), seed=seed,
+    cfg = TrainConfig(d=d, epochs=10_000, time_limit_s=left, spent_s=spent, checkpoint_dir=str(ckpt), seed=seed,
                       eval_max_sequences=eval_sequences, resume=resume, **knobs)
     start = time.perf_counter()
     result = fn(drafter, data, cfg, eval_data=heldout)
