@@ -77,7 +77,7 @@ class SmolLM2Preset:
     shard_size: int = 32
     stage1: dict = field(default_factory=lambda: dict(batch_size=8, anchors_per_sequence=8, lr=1e-3,
                                                       decay_share=0.3, save_every=25))
-    stage2: dict = field(default_factory=lambda: dict(batch_size=4, anchors_per_sequence=2, lr=5e-4,
+    stage2: dict = field(default_factory=lambda: dict(batch_size=4, anchors_per_sequence=2, lr=1e-4,
                                                       decay_share=0.3, save_every=25))
     eval_sequences: int = 8           # held-out sequences scored after each epoch (all at the end)
     host_math: str = "bf16"           # the target's products on the host (generation, features, loss targets)
