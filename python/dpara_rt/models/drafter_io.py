@@ -99,8 +99,7 @@ def _shared_on(module: nn.Module, device, dtype) -> nn.Module:
 def load_drafter(path: str | os.PathLike, target_model: nn.Module, device=None, dtype=None) -> Drafter:
     """Load a drafter checkpoint (dpara_rt, DSpark or DFlash) for ``target_model``; it shares the target's
     embed_tokens / lm_head (copied only when ``device``/``dtype`` differ from the target's)."""
-    fmt = checkpoint_format(path)
-    config, state, own_head = _checkpoint_state(path)
+    fmt, config, state, own_head = _checkpoint_state(path)
     check_target_compatible(config, target_model)
     embed, head = target_model.embed_tokens, target_model.lm_head
     for name, mine in own_head.items():  # DSpark keeps frozen copies of the target's; the target's are used
@@ -139,7 +138,7 @@ def copy_backbone(drafter: Drafter, path: str | os.PathLike) -> list[str]:
     """Start ``drafter``'s backbone from the drafter checkpoint at ``path`` (any format) for another draft
     convention or head: every tensor but the Markov head's and the learned mask row, which must match in name
     and shape. Returns the names copied."""
-    config, state, _ = _checkpoint_state(path)
+    _, config, state, _ = _checkpoint_state(path)
     if config.layer_ids != drafter.config.layer_ids:
         raise ValueError(f"drafter checkpoint {path} reads target layers {config.layer_ids}; this drafter reads "
                          f"{drafter.config.layer_ids}")
@@ -155,12 +154,14 @@ def copy_backbone(drafter: Drafter, path: str | os.PathLike) -> list[str]:
     return names
 
 
-def _checkpoint_state(path) -> tuple[DrafterConfig, dict[str, Tensor], dict]:
-    """(config, tensors in our names, a published checkpoint's own embed_tokens/lm_head) of any drafter format."""
-    if checkpoint_format(path) != "dpara_rt":
+def _checkpoint_state(path) -> tuple[str, DrafterConfig, dict[str, Tensor], dict]:
+    """(checkpoint_format, config, tensors in our names, a published checkpoint's own embed_tokens/lm_head) of any
+    drafter format."""
+    fmt = checkpoint_format(path)
+    if fmt != "dpara_rt":
         from dpara_rt.models.convert import read_source
-        return read_source(path, with_weights=True)
-    return _read_own_config(path), _read_own_weights(path), {}
+        return (fmt, *read_source(path, with_weights=True))
+    return fmt, _read_own_config(path), _read_own_weights(path), {}
 
 
 def _load_state(drafter: Drafter, state: dict[str, Tensor], where) -> None:
